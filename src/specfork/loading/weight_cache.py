@@ -1,0 +1,80 @@
+"""On-disk cache of converted GGUF weights.
+
+Reading a GGUF header (its vocabulary arrays) and dequantizing every tensor takes seconds; the
+result — our own fused weights in the run dtype plus the ModelConfig — is saved once as a
+safetensors file, so later loads of the same unchanged file map it back in a fraction of that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from specfork.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when the saved layout or the conversion changes
+Converted = tuple[ModelConfig, dict[str, torch.Tensor]]
+
+
+def cache_file(folder: Path, source: Path, dtype: torch.dtype) -> Path:
+    """Where the converted weights of `source` in `dtype` live (changes with the file)."""
+    st = source.stat()
+    key = f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{FORMAT}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return folder / f"{source.stem}-{str(dtype).removeprefix('torch.')}-{digest}.safetensors"
+
+
+def load_or_convert(
+    folder: Path, source: Path, dtype: torch.dtype, convert: Callable[[], Converted]
+) -> Converted:
+    """The converted weights of `source`, from the cache or from `convert()` (then cached)."""
+    path = cache_file(folder, source, dtype)
+    cached = _read(path)
+    if cached is not None:
+        return cached
+    cfg, tensors = convert()
+    _write(path, cfg, tensors)
+    return cfg, tensors
+
+
+def _read(path: Path) -> Converted | None:
+    if not path.exists():
+        return None
+    try:
+        with safe_open(path, framework="pt") as f:
+            cfg = ModelConfig.from_dict(json.loads(f.metadata()["config"]))
+        tensors = load_file(path)
+    except (SafetensorError, OSError, KeyError, ValueError, TypeError) as exc:
+        log.warning("ignoring unreadable weight cache %s: %s", path, exc)
+        return None
+    log.info("loaded converted weights from %s", path)
+    return cfg, tensors
+
+
+def _write(path: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".partial")
+        os.close(fd)
+    except OSError as exc:
+        log.warning("cannot cache converted weights in %s (%s)", path.parent, exc)
+        return
+    try:
+        contiguous = {k: v.contiguous() for k, v in tensors.items()}
+        save_file(contiguous, tmp, metadata={"config": json.dumps(cfg.to_dict())})
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot cache converted weights at %s (%s)", path, exc)
+    finally:
+        Path(tmp).unlink(missing_ok=True)

@@ -1,0 +1,80 @@
+"""Per-request statistics of a decoding run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """Counters and timings of one request.
+
+    `mean_accepted_length` is tokens emitted per target forward after prefill (bonus token
+    included): 1.0 for plain decoding, K + 1 when every draft of length K is accepted.
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0  # decoding forwards, prefill excluded
+    draft_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    time_to_first_token: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        decoded = max(self.new_tokens - 1, 0)  # the first token comes from the prefill
+        return decoded / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        decoded = max(self.new_tokens - 1, 0)
+        return decoded / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        """Count one verification round with `drafted` proposals of which `accepted` held."""
+        self.target_forwards += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for pos in range(drafted):
+            if pos >= len(self.drafted_by_position):
+                self.drafted_by_position.append(0)
+                self.accepted_by_position.append(0)
+            self.drafted_by_position[pos] += 1
+            self.accepted_by_position[pos] += int(pos < accepted)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            acceptance_rate=self.acceptance_rate,
+            mean_accepted_length=self.mean_accepted_length,
+            decode_tokens_per_second=self.decode_tokens_per_second,
+            prefill_tokens_per_second=self.prefill_tokens_per_second,
+        )
+        return out
+
+    def summary(self) -> str:
+        """One line for humans (the CLI prints it to stderr)."""
+        line = (
+            f"{self.prompt_tokens} prompt + {self.new_tokens} new tokens | prefill "
+            f"{self.prefill_tokens_per_second:.0f} tok/s | decode "
+            f"{self.decode_tokens_per_second:.1f} tok/s | TTFT {self.time_to_first_token:.2f} s"
+        )
+        if self.drafted:
+            line += (
+                f" | accepted {self.accepted}/{self.drafted} ({self.acceptance_rate:.0%}), "
+                f"{self.mean_accepted_length:.2f} tokens/forward"
+            )
+        return line

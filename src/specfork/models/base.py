@@ -1,0 +1,176 @@
+"""The decoder skeleton every family shares: embed → blocks → final norm, LM head apart.
+
+`forward(tokens, positions, cache, mask=None, layers=None)` returns final-normed hidden states;
+`logits(hidden)` applies the LM head. Positions and the attention mask are explicit arguments:
+`mask` is a boolean [T, T] (or [B, T, T]) saying which of the T new tokens each new token may
+see — a tree verifier passes its tree mask; `None` means causal. Every new token sees the whole
+cached prefix (within the sliding window on sliding layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from specfork.cache import KVCache
+from specfork.config import ModelConfig
+from specfork.models.layers import RMSNorm, Rotary
+
+
+class DecoderLM(nn.Module):
+    """Base class; subclasses build `self.blocks` and may override `embed`."""
+
+    unit_offset_norm = False
+    block_norms: ClassVar[dict[str, str]] = {}  # transformers' norm names in a block → ours
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.blocks = nn.ModuleList()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, self.unit_offset_norm)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+        self.rotary_local = Rotary(cfg.rope_local, cfg.head_dim) if cfg.rope_local else None
+
+    # -- pieces subclasses may change -------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens)  # [B, T, D]
+
+    # -- the forward pass ---------------------------------------------------------------------
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        mask: torch.Tensor | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Run tokens [B, T] at positions [T] through `layers` (default all); hidden [B, T, D].
+
+        The new keys/values are written to cache slots [cache.length, cache.length + T) and
+        the cache grows by T. `layers` runs a subset (early exit / layer skipping): the layers
+        not run leave their cache slots unwritten.
+        """
+        start = cache.reserve(positions)
+        masks = self._masks(cache, start, positions, mask)
+        ropes = self._ropes(positions)
+        h = self.embed(tokens)  # [B, T, D]
+        for i in range(len(self.blocks)) if layers is None else layers:
+            kind = self.config.layer_type(i)
+            h = self.blocks[i](h, ropes[kind], cache, start, masks[kind])
+        cache.commit_pending()
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: hidden [..., D] → float32 logits [..., V]."""
+        out = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(out / cap) * cap if cap else out
+
+    def _ropes(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        dtype = self.embed_tokens.weight.dtype
+        full = self.rotary(positions, dtype)
+        local = self.rotary_local(positions, dtype) if self.rotary_local else full
+        return {"full": full, "sliding": local}
+
+    def _masks(
+        self, cache: KVCache, start: int, positions: torch.Tensor, mask: torch.Tensor | None
+    ) -> dict[str, torch.Tensor | None]:
+        """Boolean attention masks [.., T, start + T] (True = may attend) per layer type."""
+        t = positions.shape[-1]
+        full = None
+        if mask is not None or t > 1:
+            block = mask if mask is not None else _causal(t, positions.device)  # [(B,) T, T]
+            prefix = torch.ones(*block.shape[:-1], start, dtype=torch.bool, device=block.device)
+            full = torch.cat((prefix, block.bool()), dim=-1)  # [(B,) T, S]
+            if full.dim() == 3:
+                full = full[:, None]  # [B, 1, T, S]
+        window = self.config.sliding_window
+        if window is None:
+            return {"full": full, "sliding": full}
+        key_pos = cache.positions[: start + t]  # [S]
+        near = (positions[:, None] - key_pos[None, :]) < window  # [T, S]
+        sliding = near if full is None else full & near
+        return {"full": full, "sliding": sliding}
+
+    # -- weights ----------------------------------------------------------------------------
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy in weights named as in transformers' checkpoints."""
+        self.load_weights(self.from_hf_names(tensors))
+
+    def load_weights(self, own: dict[str, torch.Tensor], assign: bool = False) -> None:
+        """Load weights named as this module names them; `assign` adopts the tensors as is."""
+        missing, unexpected = self.load_state_dict(own, strict=False, assign=assign)
+        missing = [m for m in missing if not (m == "lm_head.weight" and self.config.tie_embeddings)]
+        if missing or unexpected:
+            raise KeyError(
+                f"checkpoint mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}"
+            )
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def from_hf_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rename transformers' weights to ours, fusing q/k/v and gate/up."""
+        out: dict[str, torch.Tensor] = {}
+        rename = {
+            "model.embed_tokens.weight": "embed_tokens.weight",
+            "model.norm.weight": "norm.weight",
+        }
+        for name, value in tensors.items():
+            if name in rename:
+                out[rename[name]] = value
+            elif name == "lm_head.weight" and not self.config.tie_embeddings:
+                out[name] = value
+        for i in range(self.config.num_layers):
+            out.update(self._block_from_hf(tensors, f"model.layers.{i}.", f"blocks.{i}."))
+        return out
+
+    def _block_from_hf(
+        self, t: dict[str, torch.Tensor], src: str, dst: str
+    ) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        a = f"{src}self_attn."
+        for kind in ("weight", "bias"):
+            parts = [t.get(f"{a}{p}_proj.{kind}") for p in "qkv"]
+            if all(p is not None for p in parts):
+                out[f"{dst}attn.qkv.{kind}"] = torch.cat(parts, dim=0)
+            if f"{a}o_proj.{kind}" in t:
+                out[f"{dst}attn.o.{kind}"] = t[f"{a}o_proj.{kind}"]
+            m = f"{src}mlp."
+            if f"{m}gate_proj.{kind}" in t:
+                gate_up = (t[f"{m}gate_proj.{kind}"], t[f"{m}up_proj.{kind}"])
+                out[f"{dst}mlp.gate_up.{kind}"] = torch.cat(gate_up, dim=0)
+                out[f"{dst}mlp.down.{kind}"] = t[f"{m}down_proj.{kind}"]
+        for norm in ("q_norm", "k_norm"):
+            if f"{a}{norm}.weight" in t:
+                out[f"{dst}attn.{norm}.weight"] = t[f"{a}{norm}.weight"]
+        for hf_name, own in self.block_norms.items():
+            if f"{src}{hf_name}.weight" in t:
+                out[f"{dst}{own}.weight"] = t[f"{src}{hf_name}.weight"]
+        return out
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        """A KV cache sized for this model."""
+        c = self.config
+        return KVCache(
+            c.num_layers, c.num_kv_heads, c.head_dim, max_len,
+            batch=batch, dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+
+
+def _causal(t: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()  # [T, T]

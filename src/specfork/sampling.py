@@ -1,0 +1,64 @@
+"""The only place logits become probabilities or tokens.
+
+`probabilities(logits, params)` applies temperature, then top-k, top-p and min-p, in that order
+(transformers' and vLLM's order), and returns the distribution a token is drawn from. The same
+function is applied to the target's p and the drafter's q, which speculative sampling needs.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+from specfork.config import SamplingParams
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch RNG seeded with `seed` (a fresh random seed when None)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(secrets.randbits(63) if seed is None else seed)
+    return gen
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """float32 probabilities [..., V] after temperature, top-k, top-p and min-p.
+
+    Greedy parameters give the one-hot distribution of the argmax.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)  # [..., V]
+    if params.top_p < 1.0:
+        probs = _top_p(probs, params.top_p)
+    if params.min_p > 0.0:
+        keep = probs >= params.min_p * probs.amax(-1, keepdim=True)  # [..., V]
+        probs = probs * keep
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)  # [..., V]
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_p)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draw one token per row from probabilities [..., V]; returns [...] int64."""
+    flat = probs.reshape(-1, probs.shape[-1])  # [N, V]
+    tokens = torch.multinomial(flat, 1, generator=generator)  # [N, 1]
+    return tokens.view(probs.shape[:-1])
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Choose the next token from logits [V]: argmax when greedy, else a seeded draw."""
+    if params.greedy:
+        return int(logits.argmax(-1))
+    return int(sample(probabilities(logits, params), generator))
