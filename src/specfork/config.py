@@ -20,7 +20,8 @@ class RopeConfig:
     """Rotary embedding parameters for one group of layers.
 
     `rope_type` follows transformers' names: "default" (none), "linear", "llama3", "dynamic"
-    (treated as its static form, factor applied from `original_max_position` on) and "yarn".
+    (identical to none up to the original context, which is as far as specfork runs it) and
+    "yarn".
     """
 
     theta: float = 10000.0
@@ -44,7 +45,7 @@ class RopeConfig:
             raise ConfigError(f"rope theta must be a positive number, got {self.theta}")
         if self.factor <= 0:
             raise ConfigError(f"rope scaling factor must be positive, got {self.factor}")
-        needs_original = self.rope_type in ("llama3", "yarn", "dynamic")
+        needs_original = self.rope_type in ("llama3", "yarn")
         if needs_original and self.original_max_position is None:
             raise ConfigError(
                 f"RoPE scaling {self.rope_type!r} needs original_max_position_embeddings"

@@ -104,7 +104,8 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         hidden_act="gelu_tanh",
         sliding_window=window,
         layer_types=types,
-        query_pre_attn_scalar=float(head_dim),
+        # llama.cpp: Gemma 3 27B (62 layers) scales queries by hidden/heads, the others by head_dim
+        query_pre_attn_scalar=float(hidden // heads if n_layers == 62 else head_dim),
         final_logit_softcapping=get("final_logit_softcapping"),
         **common,
     )

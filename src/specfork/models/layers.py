@@ -34,8 +34,10 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # [D/2]
     inv_freq = 1.0 / (rope.theta**exponents)  # [D/2]
     scaling = 1.0
-    if rope.rope_type in ("linear", "dynamic"):
+    if rope.rope_type == "linear":
         inv_freq = inv_freq / rope.factor
+    # "dynamic" NTK scaling changes nothing up to the original context length, which is the
+    # longest context specfork runs such a model at (ModelConfig.max_position).
     elif rope.rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope)
     elif rope.rope_type == "yarn":
@@ -143,10 +145,34 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), *rope)  # [B, Hkv, T, D]
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         keys, values = cache.write(self.layer, start, k, v)  # [B, Hkv, S, D]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
-        )  # [B, H, T, D]
+        if t == 1 and (mask is None or mask.dim() == 2):
+            out = self._single_query(q, keys, values, mask)  # [B, H, 1, D]
+        else:
+            out = F.scaled_dot_product_attention(
+                q,
+                keys,
+                values,
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=self.n_kv != self.n_heads,
+            )  # [B, H, T, D]
         return self.o(out.transpose(1, 2).reshape(b, t, q_dim))
+
+    def _single_query(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One decode step: two small matmuls beat SDPA's CPU kernel launch several times over.
+
+        The query heads sharing a KV head are stacked as rows, so K/V are never repeated.
+        """
+        b = q.shape[0]
+        qg = q.reshape(b, self.n_kv, self.n_heads // self.n_kv, self.head_dim)  # [B, Hkv, G, D]
+        scores = (qg @ keys.transpose(-1, -2)).float() * self.scale  # [B, Hkv, G, S]
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))  # mask [1, S]
+        probs = scores.softmax(-1).to(values.dtype)  # [B, Hkv, G, S]
+        out = probs @ values  # [B, Hkv, G, D]
+        return out.reshape(b, self.n_heads, 1, self.head_dim)
 
 
 class GatedMLP(nn.Module):
