@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 
 from rich.console import Console
+from rich.markup import escape
 
 from specfork import __version__
 from specfork.config import GenerationConfig, SamplingParams
@@ -90,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args, err)
         return _models(args)
     except SpecforkError as exc:
-        err.print(f"[bold red]specfork: error:[/] {exc}", markup=True, soft_wrap=True)
+        err.print(f"[bold red]specfork: error:[/] {escape(str(exc))}", soft_wrap=True)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         return 130
@@ -123,7 +124,11 @@ def _generate(args: argparse.Namespace, err: Console) -> int:
     prompt = _read_prompt(args.prompt)
     if not prompt.strip():
         raise SpecforkError("the prompt is empty; give some text to continue")
-    with err.status(f"loading {args.model}…", spinner="dots") if not args.quiet else nullcontext():
+    with (
+        err.status(f"loading {escape(args.model)}…", spinner="dots")
+        if not args.quiet
+        else nullcontext()
+    ):
         loaded = load_model(args.model, dtype=args.dtype, device=args.device,
                             progress=not args.quiet)  # fmt: skip
     generator = Generator(loaded)
@@ -143,8 +148,10 @@ def _generate(args: argparse.Namespace, err: Console) -> int:
     sys.stdout.flush()
     if not args.quiet and stream.result is not None:
         model = f"{loaded.path.name} ({loaded.model.dtype}, {loaded.model.device})"
-        err.print(f"[dim]{model} | {stream.result.stats.summary()} | "
-                  f"finish: {stream.result.finish_reason}[/]")  # fmt: skip
+        summary = (
+            f"{model} | {stream.result.stats.summary()} | finish: {stream.result.finish_reason}"
+        )
+        err.print(summary, style="dim", markup=False, highlight=False)
     return 0
 
 
@@ -170,7 +177,7 @@ def _models(args: argparse.Namespace) -> int:
     console = Console()
     console.print(table)
     for s in statuses:
-        console.print(f"{s.name}: {s.description}\n  {s.path}", highlight=False)
+        console.print(f"{s.name}: {s.description}\n  {s.path}", highlight=False, markup=False)
     console.print("Any path to a .gguf file or a Hugging Face checkpoint folder works as --model.")
     return 0
 

@@ -147,12 +147,15 @@ class SamplingParams:
             raise ConfigError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
             )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
             raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        seed = self.seed
+        if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+            raise ConfigError(f"seed must be an integer in [0, 2**63), got {seed}")
 
     @property
     def greedy(self) -> bool:
@@ -170,7 +173,21 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not _is_int(n) or n < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {n}")
+        if isinstance(self.stop, str):  # one stop string, as the OpenAI API allows
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ConfigError("stop strings must be non-empty strings")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ConfigError(f"stop token ids must be integers >= 0, got {self.stop_token_ids}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

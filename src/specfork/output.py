@@ -53,8 +53,7 @@ class OutputBuilder:
 
     def _add_one(self, tok: int) -> None:
         if tok in self.stop_ids:
-            self.finish_reason = "stop"
-            self.text += self.decoder.flush()
+            self.finish("stop")
             return
         self.token_ids.append(tok)
         before = len(self.text)
@@ -62,9 +61,7 @@ class OutputBuilder:
         if self.config.stop and self._cut_at_stop_string(before):
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.max_tokens:
-            self.finish_reason = "length"
-            self.text += self.decoder.flush()
-            self._cut_at_stop_string(before)
+            self.finish("length")
 
     def _cut_at_stop_string(self, before: int) -> bool:
         start = max(0, before - self._longest_stop + 1)
@@ -77,7 +74,8 @@ class OutputBuilder:
     def finish(self, reason: str) -> None:
         """End the output for a reason found outside the tokens (context full, cancelled)."""
         if not self.done:
-            self.text += self.decoder.flush()
+            # a character cut in half by the limit is dropped, not shown as U+FFFD
+            self.text += self.decoder.flush().rstrip("\ufffd")
             self._cut_at_stop_string(0)
             self.finish_reason = reason
 

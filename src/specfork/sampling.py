@@ -29,6 +29,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits - logits.amax(-1, keepdim=True)  # <= 0: dividing by a tiny t cannot overflow
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1]

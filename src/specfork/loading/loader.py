@@ -43,7 +43,13 @@ def resolve_device(device: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but no CUDA GPU is available; use cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"unknown device {device!r}; use auto, cpu or cuda[:N]") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} is not supported; use auto, cpu or cuda[:N]")
+    return dev
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -104,14 +110,15 @@ def load_decoder(
         model = _skeleton(cfg)
         weights = model.from_hf_names(dict(st_loader.iter_tensors(path, dt)))
     else:
-        cfg, weights = weight_cache.load_or_convert(
-            cache_dir() / "weights", path, dt, lambda: _convert_gguf(path, dt)
-        )
+        cached_at = weight_cache.cache_file(cache_dir() / "weights", path, dt)
+        cfg, weights = weight_cache.read(cached_at) or _convert_gguf(path, dt)
         model = _skeleton(cfg)
     try:
         model.load_weights({k: v.to(dev) for k, v in weights.items()}, assign=True)
     except (KeyError, RuntimeError) as exc:
         raise ModelFormatError(f"{path}: weights do not match the model config: {exc}") from exc
+    if path.is_file() and not cached_at.exists():
+        weight_cache.write(cached_at, cfg, weights)  # only weights that loaded are cached
     for rotary in (model.rotary, model.rotary_local):
         if rotary is not None:
             rotary.reset_inv_freq(dev)

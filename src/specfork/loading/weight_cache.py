@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,20 +34,8 @@ def cache_file(folder: Path, source: Path, dtype: torch.dtype) -> Path:
     return folder / f"{source.stem}-{str(dtype).removeprefix('torch.')}-{digest}.safetensors"
 
 
-def load_or_convert(
-    folder: Path, source: Path, dtype: torch.dtype, convert: Callable[[], Converted]
-) -> Converted:
-    """The converted weights of `source`, from the cache or from `convert()` (then cached)."""
-    path = cache_file(folder, source, dtype)
-    cached = _read(path)
-    if cached is not None:
-        return cached
-    cfg, tensors = convert()
-    _write(path, cfg, tensors)
-    return cfg, tensors
-
-
-def _read(path: Path) -> Converted | None:
+def read(path: Path) -> Converted | None:
+    """The cached config and weights at `path`, or None when absent or unreadable."""
     if not path.exists():
         return None
     try:
@@ -62,7 +49,8 @@ def _read(path: Path) -> Converted | None:
     return cfg, tensors
 
 
-def _write(path: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+def write(path: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """Save converted weights atomically; a failure to write only logs a warning."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".partial")

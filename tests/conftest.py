@@ -1,0 +1,19 @@
+"""Shared fixtures: the default packaged model, loaded once per test session.
+
+The model is fetched into the usual specfork cache (``$SPECFORK_CACHE_DIR`` or
+``~/.cache/specfork``) on first use, like the CLI does. It is loaded in float32 on the CPU so that
+results are exact and comparable with transformers' reference on every machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specfork.loading.loader import LoadedModel, load_model
+from specfork.loading.registry import DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def smollm_f32() -> LoadedModel:
+    """SmolLM2-135M-Instruct (the default model), float32, CPU."""
+    return load_model(DEFAULT_MODEL, dtype="float32", device="cpu", progress=False)

@@ -1,0 +1,331 @@
+"""Tests of :class:`specfork.engine.Generator` on the real default model (SmolLM2-135M-Instruct).
+
+The model is loaded once per session in float32 on the CPU (``smollm_f32`` in conftest.py), so
+greedy decoding is exactly reproducible. Token counts are kept small: every generated token is a
+full forward of the model. The validation tests at the end need no model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specfork.config import GenerationConfig, SamplingParams
+from specfork.engine import GenerationResult, Generator
+from specfork.errors import ConfigError, PromptError
+from specfork.loading.loader import LoadedModel
+
+REPLACEMENT = "\ufffd"
+PROMPT = "Write a short poem about the sea."
+N_MAIN = 20
+JAPANESE = "Say hello in Japanese."  # SmolLM2 answers with characters of two tokens each
+FRANCE = "What is the capital of France? Answer in one sentence."  # a short answer, then EOS
+
+
+@pytest.fixture(scope="module")
+def gen(smollm_f32: LoadedModel) -> Generator:
+    return Generator(smollm_f32)
+
+
+@pytest.fixture(scope="module")
+def first(gen: Generator) -> GenerationResult:
+    """The reference greedy run: N_MAIN tokens of PROMPT (chat template), EOS ignored."""
+    return gen.generate(PROMPT, config=GenerationConfig(max_new_tokens=N_MAIN, ignore_eos=True))
+
+
+def _stream(gen: Generator, prompt, **kwargs) -> tuple[list[str], GenerationResult]:
+    stream = gen.stream(prompt, **kwargs)
+    deltas = list(stream)
+    assert stream.result is not None
+    return deltas, stream.result
+
+
+def _decode(gen: Generator, ids: list[int]) -> str:
+    return gen.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _check_stats(result: GenerationResult) -> None:
+    s = result.stats
+    assert s.prompt_tokens == len(result.prompt_ids)
+    # EOS is consumed as a new token but is not part of token_ids.
+    eos_stop = result.finish_reason == "stop" and s.new_tokens == len(result.token_ids) + 1
+    assert s.new_tokens == len(result.token_ids) or eos_stop
+    # The first token comes from the prefill; each later one costs one target forward.
+    assert s.target_forwards == s.new_tokens - 1
+    assert (s.draft_forwards, s.drafted, s.accepted) == (0, 0, 0)
+    assert s.prefill_seconds > 0 and s.prefill_tokens_per_second > 0
+    assert s.time_to_first_token >= s.prefill_seconds
+    if s.new_tokens > 1:
+        assert s.decode_seconds > 0 and s.decode_tokens_per_second > 0
+        assert s.mean_accepted_length == 1.0
+    assert str(s.new_tokens) in s.summary()
+
+
+# ----------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.slow
+def test_first_run(first: GenerationResult, smollm_f32: LoadedModel) -> None:
+    tok = smollm_f32.tokenizer
+    assert first.finish_reason == "length"
+    assert len(first.token_ids) == N_MAIN and first.stats.new_tokens == N_MAIN
+    assert first.text == tok.decode(first.token_ids, skip_special_tokens=True)
+    assert first.text.strip()
+    assert first.prompt_ids == tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": PROMPT}])
+    )
+    _check_stats(first)
+
+
+@pytest.mark.slow
+def test_greedy_is_deterministic_and_stream_matches(
+    gen: Generator, first: GenerationResult, smollm_f32: LoadedModel
+) -> None:
+    config = GenerationConfig(max_new_tokens=N_MAIN, ignore_eos=True)
+    deltas, streamed = _stream(gen, PROMPT, config=config)
+    assert streamed.token_ids == first.token_ids
+    assert "".join(deltas) == streamed.text == first.text
+    assert all(deltas) and not any(REPLACEMENT in d for d in deltas)
+    # A new Generator with a small prefill chunk (several prefill forwards) and the prompt given
+    # as token ids gives the same tokens.
+    other = Generator(smollm_f32, prefill_chunk=7)
+    assert other.generate(first.prompt_ids, config=config).token_ids == first.token_ids
+
+
+@pytest.mark.slow
+def test_stream_never_splits_a_character(gen: Generator) -> None:
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    deltas, result = _stream(gen, JAPANESE, config=config)
+    assert "".join(deltas) == result.text
+    assert not any(REPLACEMENT in d for d in deltas), deltas
+    assert any(ord(c) > 0x3000 for c in result.text), result.text  # really multi-byte text
+    assert len(deltas) < len(result.token_ids)  # some characters took two tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 5])
+def test_max_new_tokens(gen: Generator, first: GenerationResult, n: int) -> None:
+    result = gen.generate(PROMPT, config=GenerationConfig(max_new_tokens=n, ignore_eos=True))
+    assert result.finish_reason == "length"
+    assert result.token_ids == first.token_ids[:n]
+    assert result.stats.new_tokens == n and result.stats.target_forwards == n - 1
+    _check_stats(result)
+
+
+@pytest.mark.slow
+def test_abandoned_stream_does_not_disturb_the_next_request(
+    gen: Generator, first: GenerationResult
+) -> None:
+    stream = gen.stream(PROMPT, config=GenerationConfig(max_new_tokens=N_MAIN, ignore_eos=True))
+    next(iter(stream))  # stop after the first delta; the cache is left half used
+    result = gen.generate(PROMPT, config=GenerationConfig(max_new_tokens=6, ignore_eos=True))
+    assert result.token_ids == first.token_ids[:6]
+
+
+@pytest.mark.slow
+def test_stop_string_from_the_middle(gen: Generator, first: GenerationResult) -> None:
+    text = first.text
+    words = text.split()
+    assert len(words) >= 6, text
+    stop = " " + words[len(words) // 2]  # a word from the middle, with its leading space
+    cut = text.find(stop)
+    assert 0 < cut < len(text) - len(stop)
+    config = GenerationConfig(max_new_tokens=N_MAIN, ignore_eos=True, stop=(stop,))
+    deltas, result = _stream(gen, PROMPT, config=config)
+    assert result.text == text[:cut]
+    assert "".join(deltas) == result.text
+    assert result.finish_reason == "stop"
+    n = len(result.token_ids)
+    assert n < N_MAIN and result.token_ids == first.token_ids[:n]
+    # The last token kept is the one that completed the stop string.
+    assert stop not in _decode(gen, first.token_ids[: n - 1])
+    assert stop in _decode(gen, first.token_ids[:n])
+    assert result.stats.new_tokens == n
+    _check_stats(result)
+
+
+@pytest.mark.slow
+def test_eos_stops(gen: Generator, smollm_f32: LoadedModel) -> None:
+    eos_ids = smollm_f32.tokenizer.eos_ids
+    result = gen.generate(FRANCE, config=GenerationConfig(max_new_tokens=40))
+    assert result.finish_reason == "stop"
+    assert "Paris" in result.text
+    assert not eos_ids & set(result.token_ids)
+    assert result.stats.new_tokens == len(result.token_ids) + 1
+    _check_stats(result)
+    # With ignore_eos the very next token is an EOS id and generation goes on past it.
+    n = len(result.token_ids)
+    config = GenerationConfig(max_new_tokens=n + 2, ignore_eos=True)
+    past = gen.generate(FRANCE, config=config)
+    assert past.finish_reason == "length"
+    assert past.token_ids[:n] == result.token_ids
+    assert past.token_ids[n] in eos_ids
+    assert len(past.token_ids) == n + 2
+    # An extra stop id ends the output before that token, like EOS.
+    config = GenerationConfig(max_new_tokens=n + 2, stop_token_ids=(result.token_ids[2],))
+    early = gen.generate(FRANCE, config=config)
+    assert early.finish_reason == "stop"
+    assert early.token_ids == result.token_ids[:2]
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_reproducible(gen: Generator, first: GenerationResult) -> None:
+    config = GenerationConfig(max_new_tokens=10, ignore_eos=True)
+
+    def run(seed: int) -> list[int]:
+        params = SamplingParams(temperature=0.8, top_p=0.9, seed=seed)
+        return gen.generate(PROMPT, config=config, sampling=params).token_ids
+
+    runs = {seed: run(seed) for seed in (0, 1, 2, 3)}
+    assert run(0) == runs[0]
+    assert run(3) == runs[3]
+    assert len({tuple(ids) for ids in runs.values()}) >= 3, runs
+    assert any(ids != first.token_ids[:10] for ids in runs.values())  # really sampled
+
+
+@pytest.mark.slow
+def test_tiny_temperature_acts_greedy(gen: Generator, first: GenerationResult) -> None:
+    try:
+        params = SamplingParams(temperature=1e-40, seed=0)
+    except ConfigError:
+        return  # rejecting it up front would be fine too
+    config = GenerationConfig(max_new_tokens=3, ignore_eos=True)
+    assert gen.generate(PROMPT, config=config, sampling=params).token_ids == first.token_ids[:3]
+
+
+@pytest.mark.slow
+def test_out_of_range_seed_is_a_config_error(gen: Generator) -> None:
+    try:
+        params = SamplingParams(temperature=0.8, seed=2**64)
+    except ConfigError:
+        return
+    gen.generate(PROMPT, config=GenerationConfig(max_new_tokens=2), sampling=params)
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+@pytest.mark.slow
+def test_chat_messages_with_a_system_message(gen: Generator, smollm_f32: LoadedModel) -> None:
+    tok = smollm_f32.tokenizer
+    messages = [
+        {"role": "system", "content": "You are a pirate. Answer in pirate speak."},
+        {"role": "user", "content": "Who are you?"},
+    ]
+    result = gen.generate(messages, config=GenerationConfig(max_new_tokens=4))
+    assert result.prompt_ids == tok.encode(tok.apply_chat_template(messages))
+    shown = tok.decode(result.prompt_ids)
+    assert "<|im_start|>system\nYou are a pirate. Answer in pirate speak.<|im_end|>" in shown
+    assert "named SmolLM" not in shown  # the template's default system message is replaced
+    assert shown.endswith("<|im_start|>assistant\n")
+    assert 1 <= len(result.token_ids) <= 4
+    plain = gen.generate("Who are you?", config=GenerationConfig(max_new_tokens=4))
+    assert "named SmolLM" in tok.decode(plain.prompt_ids)
+    assert plain.prompt_ids != result.prompt_ids
+
+
+@pytest.mark.slow
+def test_plain_prompt_without_chat(gen: Generator, smollm_f32: LoadedModel) -> None:
+    tok = smollm_f32.tokenizer
+    config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    result = gen.generate("Once upon a time", chat=False, config=config)
+    assert result.prompt_ids == tok.encode("Once upon a time")
+    assert "<|im_start|>" not in tok.decode(result.prompt_ids)
+    assert len(result.token_ids) == 4 and result.finish_reason == "length"
+    assert gen.encode_prompt("Once upon a time") != result.prompt_ids  # chat is the default
+    with pytest.raises(ConfigError, match="chat"):
+        gen.generate([{"role": "user", "content": "hi"}], chat=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", ["", "   ", " \n\t ", []])
+def test_empty_prompts(gen: Generator, prompt) -> None:
+    with pytest.raises(PromptError, match="empty"):
+        gen.generate(prompt)
+    if isinstance(prompt, str):
+        with pytest.raises(PromptError, match="empty"):
+            gen.stream(prompt, chat=False)
+
+
+@pytest.mark.slow
+def test_out_of_vocab_prompt_ids(gen: Generator, smollm_f32: LoadedModel) -> None:
+    vocab = smollm_f32.config.vocab_size
+    for ids in ([1, vocab], [-1, 5]):
+        with pytest.raises(PromptError, match=str(vocab)):
+            gen.generate(ids)
+
+
+@pytest.mark.slow
+def test_context_limit(smollm_f32: LoadedModel, gen: Generator) -> None:
+    small = Generator(smollm_f32, max_context=64)
+    assert small.context == 64
+    long_prompt = "Tell me about the history of the city of Paris. " * 10
+    assert len(small.encode_prompt(long_prompt)) > 64
+    with pytest.raises(PromptError, match=r"context holds 64"):
+        small.stream(long_prompt)  # raised at once, before any iteration
+    ids = gen.encode_prompt(PROMPT, chat=False)
+    filler = small.tokenizer.encode(" the sea", add_special_tokens=False)
+    while len(ids) < 64:
+        ids += filler
+    ids = ids[:64]
+    with pytest.raises(PromptError, match="64 tokens"):
+        small.generate(ids)
+    # The context holds the prompt and the generated tokens: 60 + 4, or 63 + 1.
+    for size in (60, 63):
+        config = GenerationConfig(max_new_tokens=10, ignore_eos=True)
+        result = small.generate(ids[:size], config=config)
+        assert len(result.token_ids) == 64 - size, size
+        assert result.finish_reason == "length"
+        config = GenerationConfig(max_new_tokens=64 - size, ignore_eos=True)
+        assert result.token_ids == gen.generate(ids[:size], config=config).token_ids
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+    ],
+)
+def test_bad_sampling_params(kwargs: dict, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_new_tokens": 0},
+        {"max_new_tokens": -3},
+        {"max_new_tokens": 2.0},
+        {"max_new_tokens": True},
+        {"stop": ("",)},
+        {"stop": ("ok", 3)},
+    ],
+)
+def test_bad_generation_config(kwargs: dict) -> None:
+    with pytest.raises(ConfigError):
+        GenerationConfig(**kwargs)
+
+
+def test_good_params_are_accepted() -> None:
+    assert SamplingParams().greedy
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=1, min_p=1, seed=7)
+    assert not params.greedy
+    assert GenerationConfig(max_new_tokens=1, stop=("\n",)).max_new_tokens == 1
