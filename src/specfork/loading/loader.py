@@ -122,6 +122,8 @@ def load_decoder(
     for rotary in (model.rotary, model.rotary_local):
         if rotary is not None:
             rotary.reset_inv_freq(dev)
+    if dev.type == "cpu" and dt == torch.float32:
+        model.use_column_major_weights()
     return model.eval().requires_grad_(False)
 
 
