@@ -119,6 +119,7 @@ def load_decoder(
         raise ModelFormatError(f"{path}: weights do not match the model config: {exc}") from exc
     if path.is_file() and not cached_at.exists():
         weight_cache.write(cached_at, cfg, weights)  # only weights that loaded are cached
+    weights.clear()  # the model owns its tensors now; re-layouts below may free the originals
     for rotary in (model.rotary, model.rotary_local):
         if rotary is not None:
             rotary.reset_inv_freq(dev)
