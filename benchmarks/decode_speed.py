@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -141,15 +140,25 @@ def forward_cost(model: torch.nn.Module, context: int = 256, repeats: int = 15) 
     return costs
 
 
+PEAK_PROBE = """
+import runpy, sys
+sys.argv = ["specfork", *sys.argv[1:]]
+try:
+    runpy.run_module("specfork.cli", run_name="__main__")
+except SystemExit:
+    pass
+for line in open("/proc/self/status"):
+    if line.startswith("VmHWM"):
+        print(int(line.split()[1]) // 1024, file=sys.stderr)
+"""
+
+
 def peak_memory_mb(model: str) -> float:
-    """Peak RSS of a whole `specfork generate` run (default dtype), in MB."""
-    cmd = [sys.executable, "-m", "specfork.cli", "generate", "--model", model, "-q",
+    """Peak RSS (VmHWM, reset by exec) of a whole `specfork generate` run, default dtype."""
+    cmd = [sys.executable, "-c", PEAK_PROBE, "generate", "--model", model, "-q",
            "-n", "64", "What is the capital of France?"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    if status != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed with status {status}")
-    return usage.ru_maxrss / 1024
+    proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return float(proc.stderr.strip().splitlines()[-1])
 
 
 def main() -> None:

@@ -191,3 +191,42 @@ def _is_int(x: object) -> bool:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+STRATEGIES = ("ar", "speculative")
+DRAFTERS = ("ngram", "self", "model:PATH")
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """Which decoding strategy runs and how it drafts.
+
+    strategy "ar" is plain decoding. "speculative" drafts with `drafter`: "ngram" (prompt
+    lookup), "self" (the target's own layers: `self_layers` for early exit, e.g. "0-11", or
+    `skip_layers`), or "model:PATH" (a separate draft model sharing the target's vocabulary).
+    `k` is the draft length (the maximum for linear-decay); `k_policy` the draft-length policy.
+    """
+
+    strategy: str = "ar"
+    drafter: str = "ngram"
+    k: int = 5
+    k_policy: str = "constant"
+    self_layers: str | None = None
+    skip_layers: str | None = None
+    max_ngram: int = 3
+    min_ngram: int = 1
+    expected_length: int = 256  # T of the linear-decay policy
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}"
+            )
+        if self.drafter not in ("ngram", "self") and not self.drafter.startswith("model:"):
+            raise ConfigError(
+                f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}"
+            )
+        if not _is_int(self.k) or self.k < 1:
+            raise ConfigError(f"k (draft length) must be an integer >= 1, got {self.k}")
+        if self.self_layers and self.skip_layers:
+            raise ConfigError("give either self_layers (early exit) or skip_layers, not both")

@@ -14,12 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from specfork.cache import KVCache
-from specfork.config import GenerationConfig, SamplingParams
+from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.drafters.base import EMPTY_DRAFT, Draft
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import LoadedModel
 from specfork.metrics import GenerationStats
 from specfork.output import OutputBuilder
-from specfork.sampling import make_generator, next_token
+from specfork.policies import RoundInfo
+from specfork.sampling import make_generator, next_token, probabilities
+from specfork.strategies import build_strategy
+from specfork.verify import one_hot_q, verify_greedy, verify_sampling
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +60,18 @@ class Generator:
     """Runs requests on one loaded model (one at a time: the model and cache are shared)."""
 
     def __init__(
-        self, loaded: LoadedModel, *, max_context: int | None = None, prefill_chunk: int = 512
+        self,
+        loaded: LoadedModel,
+        *,
+        spec: SpecConfig | None = None,
+        max_context: int | None = None,
+        prefill_chunk: int = 512,
     ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
+        self.spec = spec or SpecConfig()
+        self.drafter, self.policy = build_strategy(self.spec, loaded)
+        self._prompt_len = 0
         limit = loaded.config.max_position
         self.context = min(limit, max_context) if max_context else limit
         self.prefill_chunk = prefill_chunk
@@ -128,47 +140,87 @@ class Generator:
         self, ids: list[int], config: GenerationConfig, sampling: SamplingParams
     ) -> Iterator[str | GenerationResult]:
         stats = GenerationStats(prompt_tokens=len(ids))
-        room = self.context - len(ids)
-        out = OutputBuilder(self.tokenizer, config, max_tokens=room, prompt_ids=ids)
+        out = OutputBuilder(
+            self.tokenizer, config, max_tokens=self.context - len(ids), prompt_ids=ids
+        )
         rng = make_generator(sampling.seed, self.model.device)
         cache = self._cache_for(len(ids) + out.max_tokens)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            logits = self._prefill(ids, cache)  # [V]
+            logits = self.model.extend(ids, cache, chunk=self.prefill_chunk)  # [V]
             stats.prefill_seconds = time.perf_counter() - t0
-            token = next_token(logits, sampling, rng)
+            tokens = [next_token(logits, sampling, rng)]
             stats.time_to_first_token = time.perf_counter() - t0
+            history = list(ids)
+            self._prompt_len = len(ids)
+            if self.drafter is not None:
+                self.drafter.begin(ids)
+                self.policy.reset()
             t1 = time.perf_counter()
             while True:
-                stats.new_tokens += out.add([token])
+                used = out.add(tokens)
+                stats.new_tokens += used
+                history += tokens[:used]
                 yield out.new_text()
                 if out.done:
                     break
                 if cache.length >= cache.max_len:
                     out.finish("length")
                     break
-                logits = self._step(token, cache)
-                stats.record_round(drafted=0, accepted=0)
-                token = next_token(logits, sampling, rng)
+                left = min(out.max_tokens - len(out.token_ids), cache.max_len - cache.length)
+                tokens = self._round(history, left - 1, cache, sampling, rng, stats)
         stats.decode_seconds = time.perf_counter() - t1
         yield out.new_text()
         yield GenerationResult(out.text, out.token_ids, out.finish_reason or "length", ids, stats)
 
-    def _prefill(self, ids: list[int], cache: KVCache) -> torch.Tensor:
-        """Run the prompt through the model in chunks; logits [V] of its last position."""
-        dev = self.model.device
-        prompt = torch.tensor(ids, device=dev)  # [P]
-        for start in range(0, len(ids), self.prefill_chunk):
-            chunk = prompt[start : start + self.prefill_chunk]  # [C]
-            positions = torch.arange(start, start + len(chunk), device=dev)  # [C]
-            hidden = self.model(chunk[None], positions, cache)  # [1, C, D]
-        return self.model.logits(hidden[0, -1])
+    def _round(
+        self,
+        history: list[int],
+        max_draft: int,
+        cache: KVCache,
+        sampling: SamplingParams,
+        rng: torch.Generator,
+        stats: GenerationStats,
+    ) -> list[int]:
+        """Draft → verify in one target forward → accept → commit; returns tokens to emit.
 
-    def _step(self, token: int, cache: KVCache) -> torch.Tensor:
-        dev = self.model.device
-        tokens = torch.tensor([[token]], device=dev)  # [1, 1]
-        positions = torch.tensor([cache.length], device=dev)  # [1]
-        return self.model.logits(self.model(tokens, positions, cache)[0, -1])  # [V]
+        `history[-1]` is the last emitted token, not yet in the target's cache. Plain
+        decoding is the empty draft: the target runs on that one token.
+        """
+        draft = self._draft(history, max_draft, sampling, rng)
+        start = cache.length
+        chain = [history[-1], *draft.tokens.tolist()]
+        logits = self.model.extend(chain, cache, last_only=False)  # [K + 1, V]
+        drafted = draft.tokens.to(logits.device)  # [K]
+        if sampling.greedy:
+            verdict = verify_greedy(drafted, logits)
+        else:
+            p = probabilities(logits, sampling)  # [K + 1, V]
+            q = draft.q if draft.q is not None else one_hot_q(drafted, p.shape[-1])  # [K, V]
+            verdict = verify_sampling(drafted, p, q, rng)
+        cache.truncate(start + 1 + verdict.accepted)  # drop the rejected drafts' entries
+        stats.record_round(len(draft), verdict.accepted)
+        if self.drafter is not None:
+            stats.draft_forwards += draft.forwards
+            self.drafter.rollback(len(history) + verdict.accepted)
+            self.policy.update(
+                RoundInfo(
+                    len(draft),
+                    verdict.accepted,
+                    len(history) - self._prompt_len + len(verdict.tokens),
+                    target_logits=logits,
+                )
+            )
+        return verdict.tokens
+
+    def _draft(
+        self, history: list[int], max_draft: int, sampling: SamplingParams, rng: torch.Generator
+    ) -> Draft:
+        if self.drafter is None or max_draft < 1:
+            return EMPTY_DRAFT
+        generated = len(history) - self._prompt_len
+        k = min(self.policy.next_k(generated), max_draft)
+        return self.drafter.propose(history, k, sampling, rng)
 
     def _cache_for(self, length: int) -> KVCache:
         """A cache of at least `length` slots, reused across requests when big enough."""

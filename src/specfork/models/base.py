@@ -70,6 +70,30 @@ class DecoderLM(nn.Module):
         cache.commit_pending()
         return h
 
+    def extend(
+        self,
+        ids: Sequence[int],
+        cache: KVCache,
+        *,
+        layers: Sequence[int] | None = None,
+        chunk: int = 512,
+        last_only: bool = True,
+    ) -> torch.Tensor:
+        """Append a chain of tokens to the cache (positions = slots, in chunks of `chunk`).
+
+        Returns float32 logits of the last token [V], or of every token [T, V].
+        """
+        dev = self.device
+        tokens = torch.tensor(ids, device=dev)  # [T]
+        outs = []
+        for i in range(0, len(ids), chunk):
+            piece = tokens[i : i + chunk]  # [C]
+            positions = torch.arange(cache.length, cache.length + len(piece), device=dev)  # [C]
+            hidden = self(piece[None], positions, cache, layers=layers)[0]  # [C, D]
+            outs.append(hidden[-1:] if last_only else hidden)
+        hidden = outs[-1][-1] if last_only else torch.cat(outs)  # [D] or [T, D]
+        return self.logits(hidden)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [..., D] → float32 logits [..., V]."""
         with self._kernels_for(hidden.numel() // hidden.shape[-1]):

@@ -1,0 +1,90 @@
+"""Drafting with a model: a separate small model, or the target's own layers (self-draft).
+
+Both run a `DecoderLM` autoregressively with their own KV cache, kept in step with the
+target's through rollbacks. The self-drafter runs a subset of the target's layers (early exit
+or layer skipping) through the same final norm and LM head — no copy of the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specfork.cache import KVCache
+from specfork.config import SamplingParams
+from specfork.drafters.base import Draft
+from specfork.errors import ConfigError
+from specfork.models.base import DecoderLM
+from specfork.sampling import probabilities, sample
+
+
+class ModelDrafter:
+    """Proposes tokens by running `model` (all layers, or `layers`) one token at a time."""
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        *,
+        layers: Sequence[int] | None = None,
+        name: str = "model",
+        max_len: int = 4096,
+    ) -> None:
+        n = model.config.num_layers
+        if layers is not None:
+            layers = sorted(set(layers))
+            if not layers or layers[0] < 0 or layers[-1] >= n:
+                raise ConfigError(f"draft layers must be a non-empty subset of 0-{n - 1}")
+        self.model = model
+        self.layers = layers
+        self.name = name
+        self.cache: KVCache = model.new_cache(max_len)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        if self.cache.max_len < len(prompt_ids) + 64:
+            self.cache = self.model.new_cache(2 * (len(prompt_ids) + 64))
+        self.cache.reset()
+
+    def propose(
+        self, history: list[int], budget: int, sampling: SamplingParams, rng: torch.Generator
+    ) -> Draft:
+        """Catch up on the history not yet in the cache, then draft `budget` tokens."""
+        budget = min(budget, self.cache.max_len - len(history))
+        if budget < 1:
+            return Draft(torch.empty(0, dtype=torch.long))
+        if self.cache.length >= len(history):  # need the last token's logits again
+            self.cache.truncate(len(history) - 1)
+        logits = self.model.extend(history[self.cache.length :], self.cache, layers=self.layers)
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(budget):
+            if sampling.greedy:
+                tokens.append(int(logits.argmax()))
+            else:
+                q = probabilities(logits, sampling)  # [V]
+                qs.append(q)
+                tokens.append(int(sample(q, rng)))
+            if i + 1 < budget:
+                logits = self.model.extend(tokens[-1:], self.cache, layers=self.layers)
+        return Draft(
+            tokens=torch.tensor(tokens, device=self.model.device),
+            q=torch.stack(qs) if qs else None,  # [K, V]
+            forwards=budget,
+        )
+
+    def rollback(self, length: int) -> None:
+        self.cache.truncate(min(self.cache.length, length))
+
+
+def parse_layers(spec: str, num_layers: int) -> list[int]:
+    """'0-11' / '0,2,4-7' → sorted layer indices, validated against the model's layer count."""
+    layers: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            layers.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError as exc:
+        raise ConfigError(f"bad layer list {spec!r}; use e.g. 0-11 or 0,2,4-7") from exc
+    if not layers or min(layers) < 0 or max(layers) >= num_layers:
+        raise ConfigError(f"layers {spec!r} out of range; this model has layers 0-{num_layers - 1}")
+    return sorted(layers)

@@ -1,0 +1,54 @@
+"""Prompt lookup decoding: propose what followed the latest earlier occurrence of the suffix.
+
+The last n tokens (n from `max_ngram` down to `min_ngram`; the longest match wins) are searched
+for in prompt + output so far; the tokens that followed the most recent earlier occurrence are
+proposed. No match gives an empty draft, and the round costs one plain step. Proposals are
+deterministic, so verification treats their q as one-hot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specfork.config import SamplingParams
+from specfork.drafters.base import Draft
+from specfork.errors import ConfigError
+
+
+class NgramDrafter:
+    """n-gram lookup over the request's own tokens; no model, no state beyond the history."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not (isinstance(min_ngram, int) and isinstance(max_ngram, int)):
+            raise ConfigError("n-gram sizes must be integers")
+        if not 1 <= min_ngram <= max_ngram:
+            raise ConfigError(
+                f"need 1 <= min_ngram <= max_ngram, got min {min_ngram}, max {max_ngram}"
+            )
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        return None
+
+    def propose(
+        self, history: list[int], budget: int, sampling: SamplingParams, rng: torch.Generator
+    ) -> Draft:
+        h = torch.tensor(history, dtype=torch.long)  # [L]
+        for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
+            start = self._latest_match(h, n)
+            if start is not None:
+                return Draft(tokens=h[start + n : start + n + budget].clone())
+        return Draft(tokens=torch.empty(0, dtype=torch.long))
+
+    @staticmethod
+    def _latest_match(h: torch.Tensor, n: int) -> int | None:
+        """Start of the latest occurrence of the last n tokens before the suffix itself."""
+        windows = h[:-1].unfold(0, n, 1)  # [L - n, n]: every n-gram that has a successor
+        hits = (windows == h[-n:]).all(dim=1).nonzero()  # [M, 1]
+        return int(hits[-1]) if hits.numel() else None
+
+    def rollback(self, length: int) -> None:
+        return None

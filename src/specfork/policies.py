@@ -1,0 +1,123 @@
+"""Draft-length policies: how many tokens to draft next, from what happened so far.
+
+A policy sees only the past (acceptance history, the target's logits from the last
+verification) and never changes the output distribution — only how much is drafted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specfork.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class RoundInfo:
+    """What one verification round did; what a policy learns from."""
+
+    drafted: int
+    accepted: int
+    generated: int  # output tokens so far, this round's included
+    target_logits: torch.Tensor | None = None  # [K + 1, V] from the verification forward
+
+
+class DraftPolicy(Protocol):
+    """Chooses the next draft length."""
+
+    name: str
+
+    def reset(self) -> None:
+        """Start a new request."""
+
+    def next_k(self, generated: int) -> int:
+        """Draft length for the next round (`generated` output tokens so far)."""
+
+    def update(self, info: RoundInfo) -> None:
+        """Learn from the round that just finished."""
+
+
+def _check_k(k: int, name: str = "k") -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {k}")
+
+
+class ConstantK:
+    """Always draft K tokens."""
+
+    name = "constant"
+
+    def __init__(self, k: int) -> None:
+        _check_k(k)
+        self.k = k
+
+    def reset(self) -> None:
+        return None
+
+    def next_k(self, generated: int) -> int:
+        return self.k
+
+    def update(self, info: RoundInfo) -> None:
+        return None
+
+
+class HeuristicK:
+    """+2 after a fully accepted round, -1 otherwise, within [1, k_max] (HF's heuristic)."""
+
+    name = "heuristic"
+
+    def __init__(self, k: int, k_max: int | None = None) -> None:
+        _check_k(k)
+        self.k_start = k
+        self.k_max = k_max or 2 * k
+        _check_k(self.k_max, "k_max")
+        self.k = k
+
+    def reset(self) -> None:
+        self.k = self.k_start
+
+    def next_k(self, generated: int) -> int:
+        return self.k
+
+    def update(self, info: RoundInfo) -> None:
+        if info.drafted == 0:
+            return
+        full = info.accepted == info.drafted
+        self.k = min(self.k_max, self.k + 2) if full else max(1, self.k - 1)
+
+
+class LinearDecayK:
+    """K_t = max(1, round(K_max * (1 - t / T))), T the expected output length."""
+
+    name = "linear-decay"
+
+    def __init__(self, k_max: int, expected_length: int) -> None:
+        _check_k(k_max, "k_max")
+        _check_k(expected_length, "expected output length")
+        self.k_max = k_max
+        self.expected = expected_length
+
+    def reset(self) -> None:
+        return None
+
+    def next_k(self, generated: int) -> int:
+        return max(1, round(self.k_max * (1 - generated / self.expected)))
+
+    def update(self, info: RoundInfo) -> None:
+        return None
+
+
+POLICIES = ("constant", "heuristic", "linear-decay")
+
+
+def make_policy(name: str, k: int, expected_length: int) -> DraftPolicy:
+    """A policy by name; `k` is its K (the maximum for linear-decay)."""
+    if name == "constant":
+        return ConstantK(k)
+    if name == "heuristic":
+        return HeuristicK(k)
+    if name == "linear-decay":
+        return LinearDecayK(k, expected_length)
+    raise ConfigError(f"unknown draft-length policy {name!r}; choose one of {', '.join(POLICIES)}")

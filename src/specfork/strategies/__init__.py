@@ -1,0 +1,58 @@
+"""Strategies: a drafter and a draft-length policy plugged into the engine's one loop.
+
+"ar" is plain decoding (no drafter). "speculative" drafts chains with one of the drafters and
+verifies them losslessly (see `specfork.verify`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from specfork.config import SpecConfig
+from specfork.drafters.base import Drafter
+from specfork.drafters.model import ModelDrafter, parse_layers
+from specfork.drafters.ngram import NgramDrafter
+from specfork.errors import ConfigError
+from specfork.policies import DraftPolicy, make_policy
+
+if TYPE_CHECKING:
+    from specfork.loading.loader import LoadedModel
+
+
+def build_strategy(
+    spec: SpecConfig, target: LoadedModel
+) -> tuple[Drafter | None, DraftPolicy | None]:
+    """The drafter and policy that `spec` asks for (None, None for plain decoding)."""
+    if spec.strategy == "ar":
+        return None, None
+    policy = make_policy(spec.k_policy, spec.k, spec.expected_length)
+    return build_drafter(spec, target), policy
+
+
+def build_drafter(spec: SpecConfig, target: LoadedModel) -> Drafter:
+    """A drafter for `target` as `spec.drafter` names it."""
+    model = target.model
+    n_layers = model.config.num_layers
+    if spec.drafter == "ngram":
+        return NgramDrafter(spec.max_ngram, spec.min_ngram)
+    if spec.drafter == "self":
+        if spec.skip_layers:
+            skipped = set(parse_layers(spec.skip_layers, n_layers))
+            layers = [i for i in range(n_layers) if i not in skipped]
+        else:
+            layers = parse_layers(spec.self_layers or f"0-{max(0, n_layers // 2 - 1)}", n_layers)
+        return ModelDrafter(model, layers=layers, name="self")
+    return _draft_model(spec.drafter.removeprefix("model:"), target)
+
+
+def _draft_model(path: str, target: LoadedModel) -> Drafter:
+    from specfork.loading.loader import load_model
+
+    draft = load_model(path, dtype=target.model.dtype, device=target.model.device, progress=False)
+    v_target, v_draft = target.model.config.vocab_size, draft.model.config.vocab_size
+    if v_target != v_draft:
+        raise ConfigError(
+            f"the draft model's vocabulary ({v_draft} tokens) differs from the target's "
+            f"({v_target} tokens); a draft model must share the target's tokenizer"
+        )
+    return ModelDrafter(draft.model, name="model")

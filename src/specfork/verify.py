@@ -1,0 +1,65 @@
+"""Verification of drafted chains: pure tensor functions, the paper's notation.
+
+p is the target's distribution, q the drafter's, both after the same sampling transforms
+(`sampling.probabilities`). A chain of K drafted tokens x_1..x_K is checked against p at K + 1
+positions (one target forward); the result is the accepted prefix plus one token from the
+target, so every round emits at least one token.
+
+- Greedy: accept the longest prefix equal to the target's argmax, then the target's argmax.
+- Sampling (Leviathan et al. 2023; Chen et al. 2023): accept x_i with probability
+  min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw from normalise(max(0, p_i - q_i));
+  if all K are accepted draw the bonus token from p_{K+1}. The output is distributed exactly as
+  sampling from p token by token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specfork.sampling import sample
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Outcome of verifying one chain: `accepted` draft tokens, then `tokens` to emit."""
+
+    accepted: int
+    tokens: list[int]  # the accepted draft tokens followed by one token from the target
+
+
+def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
+    """Greedy verification of draft [K] against the target's logits [K + 1, V]."""
+    target = target_logits.argmax(-1)  # [K + 1]
+    k = draft.shape[0]
+    agree = (draft == target[:k]).int().cumprod(0)  # [K] 1 while the prefix matches
+    n = int(agree.sum())
+    return Verdict(n, [*draft[:n].tolist(), int(target[n])])
+
+
+def one_hot_q(draft: torch.Tensor, vocab: int) -> torch.Tensor:
+    """q [K, V] of deterministic proposals (n-gram lookup, top-K forks): one-hot rows."""
+    return torch.nn.functional.one_hot(draft, vocab).float()
+
+
+def verify_sampling(
+    draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator
+) -> Verdict:
+    """Lossless speculative sampling of draft [K] with p [K + 1, V] and q [K, V].
+
+    q must be the distribution each draft token was actually drawn from.
+    """
+    k = draft.shape[0]
+    idx = torch.arange(k, device=draft.device)
+    p_x = p[idx, draft]  # [K] target probability of each drafted token
+    q_x = q[idx, draft].clamp_min(torch.finfo(q.dtype).tiny)  # [K]
+    u = torch.rand(k, generator=generator, device=p.device)  # [K]
+    rejected = (u * q_x >= p_x).nonzero()  # u >= p/q  ⇔  rejection
+    if rejected.numel() == 0:
+        return Verdict(k, [*draft.tolist(), int(sample(p[k], generator))])
+    n = int(rejected[0])
+    residual = (p[n] - q[n]).clamp_min(0)  # [V]
+    total = residual.sum()
+    residual = residual / total if total > 0 else p[n]
+    return Verdict(n, [*draft[:n].tolist(), int(sample(residual, generator))])
