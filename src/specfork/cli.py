@@ -7,19 +7,23 @@ mistake prints one line naming the problem and exits with status 2 (never a trac
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 
 from specfork import __version__
-from specfork.config import GenerationConfig, SamplingParams
+from specfork.config import STRATEGIES, GenerationConfig, SamplingParams, SpecConfig
 from specfork.errors import SpecforkError
 from specfork.loading.registry import DEFAULT_MODEL
+from specfork.metrics import GenerationStats
+from specfork.policies import POLICIES, make_policy
 
 EXIT_USER_ERROR = 2
 
@@ -49,6 +53,46 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="seed that reproduces a sampled run")
 
 
+def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decoding strategy")
+    g.add_argument(
+        "--strategy",
+        default="ar",
+        choices=STRATEGIES,
+        help="ar = plain decoding; speculative = draft, then verify in one pass",
+    )
+    g.add_argument(
+        "--drafter",
+        default="ngram",
+        help="ngram (prompt lookup), self (the target's own layers) or model:PATH",
+    )
+    g.add_argument("--k", type=int, default=5, help="draft length (maximum for linear-decay)")
+    g.add_argument(
+        "--k-policy",
+        default="constant",
+        choices=POLICIES,
+        help="how the draft length changes from round to round",
+    )
+    g.add_argument(
+        "--self-layers", default=None, help="self drafter: layers it runs (early exit), e.g. 0-11"
+    )
+    g.add_argument("--skip-layers", default=None, help="self drafter: layers it skips, e.g. 10-19")
+    g.add_argument("--max-ngram", type=int, default=3, help="ngram drafter: longest n tried")
+    g.add_argument("--min-ngram", type=int, default=1, help="ngram drafter: shortest n tried")
+    g.add_argument("--stats", action="store_true", help="print all request stats to stderr")
+    g.add_argument("--trace", type=Path, default=None,
+                   help="write one JSON line per decoding round to this file")  # fmt: skip
+
+
+def spec_from_args(args: argparse.Namespace, expected_length: int) -> SpecConfig:
+    """The SpecConfig the strategy flags describe (validated)."""
+    return SpecConfig(
+        strategy=args.strategy, drafter=args.drafter, k=args.k, k_policy=args.k_policy,
+        self_layers=args.self_layers, skip_layers=args.skip_layers,
+        max_ngram=args.max_ngram, min_ngram=args.min_ngram, expected_length=expected_length,
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specfork", description="Lossless speculative decoding for LLMs in PyTorch."
@@ -72,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     gen.add_argument("--quiet", "-q", action="store_true", help="no progress or stats on stderr")
     _add_sampling_flags(gen)
+    _add_strategy_flags(gen)
 
     models = sub.add_parser("models", help="list packaged models and what is cached")
     models.add_argument("--json", action="store_true", help="machine-readable output")
@@ -121,6 +166,8 @@ def _generate(args: argparse.Namespace, err: Console) -> int:
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos
     )
+    spec = spec_from_args(args, expected_length=args.max_new_tokens)
+    make_policy(spec.k_policy, spec.k, spec.expected_length)  # validate before loading
     prompt = _read_prompt(args.prompt)
     if not prompt.strip():
         raise SpecforkError("the prompt is empty; give some text to continue")
@@ -131,7 +178,7 @@ def _generate(args: argparse.Namespace, err: Console) -> int:
     ):
         loaded = load_model(args.model, dtype=args.dtype, device=args.device,
                             progress=not args.quiet)  # fmt: skip
-    generator = Generator(loaded)
+    generator = Generator(loaded, spec=spec)
     chat = args.chat
     if chat is None:
         chat = loaded.tokenizer.chat_template is not None
@@ -152,12 +199,27 @@ def _generate(args: argparse.Namespace, err: Console) -> int:
             f"{model} | {stream.result.stats.summary()} | finish: {stream.result.finish_reason}"
         )
         err.print(summary, style="dim", markup=False, highlight=False)
+    if stream.result is not None:
+        _report(args, stream.result.stats, err)
     return 0
 
 
-def _models(args: argparse.Namespace) -> int:
-    import json
+def _report(args: argparse.Namespace, stats: GenerationStats, err: Console) -> None:
+    """--stats: every figure of the request; --trace FILE: one JSON line per round."""
+    if args.stats:
+        for key, value in stats.to_dict().items():
+            shown = f"{value:.4g}" if isinstance(value, float) else value
+            err.print(f"  {key}: {shown}", markup=False, highlight=False)
+    if args.trace is not None:
+        try:
+            with open(args.trace, "w") as f:
+                for record in stats.rounds:
+                    f.write(json.dumps(record.to_dict()) + "\n")
+        except OSError as exc:
+            raise SpecforkError(f"cannot write the trace file {args.trace}: {exc}") from exc
 
+
+def _models(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from specfork.loading.registry import model_statuses

@@ -18,7 +18,7 @@ from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import EMPTY_DRAFT, Draft
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import LoadedModel
-from specfork.metrics import GenerationStats
+from specfork.metrics import GenerationStats, RoundRecord
 from specfork.output import OutputBuilder
 from specfork.policies import RoundInfo
 from specfork.sampling import make_generator, next_token, probabilities
@@ -187,7 +187,7 @@ class Generator:
         `history[-1]` is the last emitted token, not yet in the target's cache. Plain
         decoding is the empty draft: the target runs on that one token.
         """
-        draft = self._draft(history, max_draft, sampling, rng)
+        draft, k = self._draft(history, max_draft, sampling, rng)
         start = cache.length
         chain = [history[-1], *draft.tokens.tolist()]
         logits = self.model.extend(chain, cache, last_only=False)  # [K + 1, V]
@@ -200,6 +200,11 @@ class Generator:
             verdict = verify_sampling(drafted, p, q, rng)
         cache.truncate(start + 1 + verdict.accepted)  # drop the rejected drafts' entries
         stats.record_round(len(draft), verdict.accepted)
+        generated = len(history) - self._prompt_len
+        stats.rounds.append(
+            RoundRecord(len(stats.rounds), generated, k, len(draft), verdict.accepted,
+                        len(verdict.tokens))
+        )  # fmt: skip
         if self.drafter is not None:
             stats.draft_forwards += draft.forwards
             self.drafter.rollback(len(history) + verdict.accepted)
@@ -215,12 +220,13 @@ class Generator:
 
     def _draft(
         self, history: list[int], max_draft: int, sampling: SamplingParams, rng: torch.Generator
-    ) -> Draft:
+    ) -> tuple[Draft, int]:
+        """The drafter's proposal and the draft length it was asked for."""
         if self.drafter is None or max_draft < 1:
-            return EMPTY_DRAFT
+            return EMPTY_DRAFT, 0
         generated = len(history) - self._prompt_len
         k = min(self.policy.next_k(generated), max_draft)
-        return self.drafter.propose(history, k, sampling, rng)
+        return self.drafter.propose(history, k, sampling, rng), k
 
     def _cache_for(self, length: int) -> KVCache:
         """A cache of at least `length` slots, reused across requests when big enough."""

@@ -5,6 +5,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """One decoding round: where it started, how much was drafted and accepted."""
+
+    round: int
+    position: int  # output tokens before this round
+    k: int  # draft length asked of the drafter
+    drafted: int
+    accepted: int
+    emitted: int  # accepted + the target's token (before stop truncation)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass(slots=True)
 class GenerationStats:
     """Counters and timings of one request.
@@ -21,6 +36,7 @@ class GenerationStats:
     accepted: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
     prefill_seconds: float = 0.0
     time_to_first_token: float = 0.0
     decode_seconds: float = 0.0
@@ -57,6 +73,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         out = asdict(self)
+        del out["rounds"]  # per-round records go to the trace, not the summary
         out.update(
             acceptance_rate=self.acceptance_rate,
             mean_accepted_length=self.mean_accepted_length,
