@@ -118,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(gen)
     _add_strategy_flags(gen)
 
+    scan = sub.add_parser(
+        "scan-self", help="measure which of its own layers a model should draft with"
+    )
+    _add_model_flags(scan)
+    scan.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="Spec-Bench JSONL file (first turns used); default: built-in prompts",
+    )
+    scan.add_argument("--max-new-tokens", "-n", type=int, default=64)  # fmt: skip
+
     models = sub.add_parser("models", help="list packaged models and what is cached")
     models.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
@@ -134,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args, err)
+        if args.command == "scan-self":
+            return _scan_self(args, err)
         return _models(args)
     except SpecforkError as exc:
         err.print(f"[bold red]specfork: error:[/] {escape(str(exc))}", soft_wrap=True)
@@ -217,6 +231,49 @@ def _report(args: argparse.Namespace, stats: GenerationStats, err: Console) -> N
                     f.write(json.dumps(record.to_dict()) + "\n")
         except OSError as exc:
             raise SpecforkError(f"cannot write the trace file {args.trace}: {exc}") from exc
+
+
+def _scan_self(args: argparse.Namespace, err: Console) -> int:
+    from rich.table import Table
+
+    from specfork.drafters.self_scan import SAMPLE_PROMPTS, scan_self_layers
+    from specfork.loading.loader import load_model
+
+    GenerationConfig(max_new_tokens=args.max_new_tokens)  # validate before loading
+    prompts = SAMPLE_PROMPTS if args.prompts is None else tuple(read_first_turns(args.prompts))
+    with err.status(f"loading {escape(args.model)}…", spinner="dots"):
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    with err.status("drafting with candidate layer subsets…", spinner="dots"):
+        rows = scan_self_layers(loaded, prompts, args.max_new_tokens)
+    table = Table(title=f"self-drafting candidates, {len(prompts)} prompts, greedy, k=4")
+    for col in ("flags", "acceptance", "tokens/forward", "decode tok/s", "vs plain"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r.flag, f"{r.acceptance_rate:.1%}", f"{r.mean_accepted_length:.2f}",
+                      f"{r.decode_tokens_per_second:.1f}", f"{r.speedup:.2f}x")  # fmt: skip
+    Console().print(table)
+    return 0
+
+
+def read_first_turns(path: Path) -> list[str]:
+    """First user turns of a Spec-Bench JSONL file (errors name the line)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise SpecforkError(f"cannot read the prompt file {path}: {exc}") from exc
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(str(json.loads(line)["turns"][0]))
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise SpecforkError(
+                f"{path}:{number}: not a Spec-Bench line with a 'turns' list ({exc})"
+            ) from exc
+    if not prompts:
+        raise SpecforkError(f"the prompt file {path} has no prompts")
+    return prompts
 
 
 def _models(args: argparse.Namespace) -> int:

@@ -194,6 +194,7 @@ def _is_number(x: object) -> bool:
 
 
 STRATEGIES = ("ar", "speculative")
+POLICY_NAMES = ("constant", "heuristic", "linear-decay")
 DRAFTERS = ("ngram", "self", "model:PATH")
 
 
@@ -222,11 +223,25 @@ class SpecConfig:
             raise ConfigError(
                 f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}"
             )
-        if self.drafter not in ("ngram", "self") and not self.drafter.startswith("model:"):
+        if not isinstance(self.drafter, str) or (
+            self.drafter not in ("ngram", "self") and not self.drafter.startswith("model:")
+        ):
             raise ConfigError(
                 f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}"
             )
         if not _is_int(self.k) or self.k < 1:
             raise ConfigError(f"k (draft length) must be an integer >= 1, got {self.k}")
+        if self.k_policy not in POLICY_NAMES:
+            raise ConfigError(
+                f"unknown draft-length policy {self.k_policy!r}; "
+                f"choose one of {', '.join(POLICY_NAMES)}"
+            )
+        for name in ("max_ngram", "min_ngram", "expected_length"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+        if self.min_ngram > self.max_ngram:
+            raise ConfigError(
+                f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})"
+            )
         if self.self_layers and self.skip_layers:
             raise ConfigError("give either self_layers (early exit) or skip_layers, not both")

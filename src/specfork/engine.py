@@ -70,6 +70,11 @@ class Generator:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.spec = spec or SpecConfig()
+        if self.spec.strategy != "ar" and self.spec.k >= self.context:
+            raise ConfigError(
+                f"k={self.spec.k} drafts more tokens than the context holds ({self.context}); "
+                "use a k below it (2-8 is typical)"
+            )
         self.drafter, self.policy = build_strategy(self.spec, loaded)
         self._prompt_len = 0
         limit = loaded.config.max_position

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from specfork.config import POLICY_NAMES
 from specfork.errors import ConfigError
 
 
@@ -70,9 +71,11 @@ class HeuristicK:
 
     def __init__(self, k: int, k_max: int | None = None) -> None:
         _check_k(k)
-        self.k_start = k
-        self.k_max = k_max or 2 * k
+        self.k_max = 2 * k if k_max is None else k_max
         _check_k(self.k_max, "k_max")
+        if k > self.k_max:
+            raise ConfigError(f"the starting k ({k}) must not exceed k_max ({self.k_max})")
+        self.k_start = k
         self.k = k
 
     def reset(self) -> None:
@@ -109,7 +112,7 @@ class LinearDecayK:
         return None
 
 
-POLICIES = ("constant", "heuristic", "linear-decay")
+POLICIES = POLICY_NAMES
 
 
 def make_policy(name: str, k: int, expected_length: int) -> DraftPolicy:
