@@ -69,6 +69,10 @@ class Generator:
     ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
+        self._prompt_len = 0
+        limit = loaded.config.max_position
+        self.context = min(limit, max_context) if max_context else limit
+        self.prefill_chunk = prefill_chunk
         self.spec = spec or SpecConfig()
         if self.spec.strategy != "ar" and self.spec.k >= self.context:
             raise ConfigError(
@@ -76,10 +80,6 @@ class Generator:
                 "use a k below it (2-8 is typical)"
             )
         self.drafter, self.policy = build_strategy(self.spec, loaded)
-        self._prompt_len = 0
-        limit = loaded.config.max_position
-        self.context = min(limit, max_context) if max_context else limit
-        self.prefill_chunk = prefill_chunk
         self._cache: KVCache | None = None
 
     # -- prompts ------------------------------------------------------------------------------

@@ -45,14 +45,17 @@ def build_drafter(spec: SpecConfig, target: LoadedModel) -> Drafter:
     return _draft_model(spec.drafter.removeprefix("model:"), target)
 
 
-def _draft_model(path: str, target: LoadedModel) -> Drafter:
-    from specfork.loading.loader import load_model
+def _draft_model(name_or_path: str, target: LoadedModel) -> Drafter:
+    """A separate draft model (its tokenizer is not needed: it must share the target's)."""
+    from specfork.loading.loader import load_decoder
+    from specfork.loading.registry import resolve_model
 
-    draft = load_model(path, dtype=target.model.dtype, device=target.model.device, progress=False)
-    v_target, v_draft = target.model.config.vocab_size, draft.model.config.vocab_size
+    path = resolve_model(name_or_path, progress=False)
+    draft = load_decoder(path, dtype=target.model.dtype, device=target.model.device)
+    v_target, v_draft = target.model.config.vocab_size, draft.config.vocab_size
     if v_target != v_draft:
         raise ConfigError(
             f"the draft model's vocabulary ({v_draft} tokens) differs from the target's "
             f"({v_target} tokens); a draft model must share the target's tokenizer"
         )
-    return ModelDrafter(draft.model, name="model")
+    return ModelDrafter(draft, name="model")

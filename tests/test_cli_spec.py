@@ -1,0 +1,112 @@
+"""CLI strategy flags: bad input before loading, trace schema, scan-self, draft-model vocab."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specfork.cli import main, read_first_turns
+from specfork.errors import SpecforkError
+
+PROMPT = "Repeat exactly: one two three, one two three, one two three."
+
+
+def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--drafter", "bogus"], ["unknown drafter", "ngram, self, model:PATH"]),
+        (["--k", "0"], ["k (draft length)", ">= 1"]),
+        (["--self-layers", "0-5", "--skip-layers", "6-7", "--drafter", "self"], ["either"]),
+        (["--max-ngram", "1", "--min-ngram", "2"], ["min_ngram"]),
+    ],
+)
+def test_bad_strategy_flags_fail_before_loading(capsys, flags, words) -> None:
+    # a model that does not exist: the flag error must come first
+    argv = ["generate", "-m", "no-such-model", "--strategy", "speculative", *flags, "hi"]
+    code, out, err = _run(capsys, argv)
+    assert code == 2 and out == ""
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_unknown_policy_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--k-policy", "fastest", "hi"])
+    assert exc.value.code == 2
+    assert "constant" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_self_layers_out_of_range(capsys) -> None:
+    argv = ["generate", "--strategy", "speculative", "--drafter", "self",
+            "--self-layers", "0-99", "-n", "4", PROMPT]  # fmt: skip
+    code, _, err = _run(capsys, argv)
+    assert code == 2 and "0-29" in err and "out of range" in err
+
+
+@pytest.mark.slow
+def test_trace_file_schema_and_stats(capsys, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    argv = ["generate", "--dtype", "float32", "--strategy", "speculative", "--drafter", "ngram",
+            "--k", "3", "-n", "24", "--ignore-eos", "--stats", "--trace", str(trace),
+            PROMPT]  # fmt: skip
+    code, out, err = _run(capsys, argv)
+    assert code == 0 and out.strip()
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert records and [r["round"] for r in records] == list(range(len(records)))
+    for r in records:
+        assert set(r) == {"round", "position", "k", "drafted", "accepted", "emitted"}
+        assert 0 <= r["accepted"] <= r["drafted"] <= r["k"] <= 3
+        assert r["emitted"] == r["accepted"] + 1
+    assert sum(r["emitted"] for r in records) + 1 >= 24  # the first token comes from prefill
+    assert "acceptance_rate" in err and "draft_forwards" in err
+
+
+@pytest.mark.slow
+def test_trace_to_unwritable_path(capsys, tmp_path: Path) -> None:
+    argv = ["generate", "-n", "2", "--trace", str(tmp_path / "missing" / "t.jsonl"), PROMPT]
+    code, _, err = _run(capsys, argv)
+    assert code == 2 and "trace file" in err
+
+
+@pytest.mark.slow
+def test_scan_self_prints_candidates(capsys, tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "x", "turns": [PROMPT]}) + "\n")
+    code, out, err = _run(capsys, ["scan-self", "--prompts", str(prompts), "-n", "6"])
+    assert code == 0, err
+    assert "--self-layers 0-14" in out and "--skip-layers 10-19" in out
+
+
+def test_prompt_file_errors_name_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{"turns": []}\n')
+    with pytest.raises(SpecforkError, match=r"bad\.jsonl:2"):
+        read_first_turns(bad)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(SpecforkError, match="no prompts"):
+        read_first_turns(empty)
+
+
+@pytest.mark.slow
+def test_draft_model_with_another_vocabulary(capsys, tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, vocab_size=100)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tiny")
+    argv = ["generate", "--strategy", "speculative", "--drafter", f"model:{tmp_path / 'tiny'}",
+            "-n", "4", PROMPT]  # fmt: skip
+    code, _, err = _run(capsys, argv)
+    assert code == 2
+    assert "(100 tokens)" in err and "(49152 tokens)" in err
