@@ -15,12 +15,12 @@ import torch
 
 from specfork.cache import KVCache
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.drafters.base import EMPTY_DRAFT, Draft
+from specfork.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import LoadedModel
 from specfork.metrics import GenerationStats, RoundRecord
 from specfork.output import OutputBuilder
-from specfork.policies import RoundInfo
+from specfork.policies import DraftPolicy, RoundInfo
 from specfork.sampling import make_generator, next_token, probabilities
 from specfork.strategies import build_strategy
 from specfork.verify import one_hot_q, verify_greedy, verify_sampling
@@ -57,13 +57,19 @@ class TextStream:
 
 
 class Generator:
-    """Runs requests on one loaded model (one at a time: the model and cache are shared)."""
+    """Runs requests on one loaded model (one at a time: the model and cache are shared).
+
+    The strategy comes from `spec`; a custom `drafter` (any object following the Drafter
+    protocol) and/or `policy` replace the ones `spec` would build.
+    """
 
     def __init__(
         self,
         loaded: LoadedModel,
         *,
         spec: SpecConfig | None = None,
+        drafter: Drafter | None = None,
+        policy: DraftPolicy | None = None,
         max_context: int | None = None,
         prefill_chunk: int = 512,
     ) -> None:
@@ -79,7 +85,13 @@ class Generator:
                 f"k={self.spec.k} drafts more tokens than the context holds ({self.context}); "
                 "use a k below it (2-8 is typical)"
             )
-        self.drafter, self.policy = build_strategy(self.spec, loaded)
+        if drafter is not None and self.spec.strategy == "ar":
+            self.spec = SpecConfig("speculative", k=self.spec.k)
+        built_drafter, built_policy = (None, None)
+        if drafter is None or policy is None:
+            built_drafter, built_policy = build_strategy(self.spec, loaded, drafter is None)
+        self.drafter = drafter or built_drafter
+        self.policy = policy or built_policy
         self._cache: KVCache | None = None
 
     # -- prompts ------------------------------------------------------------------------------

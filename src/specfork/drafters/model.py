@@ -28,7 +28,7 @@ class ModelDrafter:
         *,
         layers: Sequence[int] | None = None,
         name: str = "model",
-        max_len: int = 4096,
+        max_len: int = 512,
     ) -> None:
         n = model.config.num_layers
         if layers is not None:
@@ -41,14 +41,23 @@ class ModelDrafter:
         self.cache: KVCache = model.new_cache(max_len)
 
     def begin(self, prompt_ids: list[int]) -> None:
-        if self.cache.max_len < len(prompt_ids) + 64:
-            self.cache = self.model.new_cache(2 * (len(prompt_ids) + 64))
         self.cache.reset()
+        self._ensure_room(len(prompt_ids) + 256)
+
+    def _ensure_room(self, length: int) -> None:
+        """Grow the cache (doubling, up to the model's context) when `length` would not fit.
+
+        A grown cache starts empty; the next `propose` catches up on the whole history once.
+        """
+        limit = self.model.config.max_position
+        if self.cache.max_len < min(length, limit):
+            self.cache = self.model.new_cache(min(max(length, 2 * self.cache.max_len), limit))
 
     def propose(
         self, history: list[int], budget: int, sampling: SamplingParams, rng: torch.Generator
     ) -> Draft:
         """Catch up on the history not yet in the cache, then draft `budget` tokens."""
+        self._ensure_room(len(history) + budget)
         budget = min(budget, self.cache.max_len - len(history))
         if budget < 1:
             return Draft(torch.empty(0, dtype=torch.long))

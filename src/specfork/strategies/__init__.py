@@ -20,13 +20,13 @@ if TYPE_CHECKING:
 
 
 def build_strategy(
-    spec: SpecConfig, target: LoadedModel
+    spec: SpecConfig, target: LoadedModel, with_drafter: bool = True
 ) -> tuple[Drafter | None, DraftPolicy | None]:
     """The drafter and policy that `spec` asks for (None, None for plain decoding)."""
     if spec.strategy == "ar":
         return None, None
     policy = make_policy(spec.k_policy, spec.k, spec.expected_length)
-    return build_drafter(spec, target), policy
+    return (build_drafter(spec, target) if with_drafter else None), policy
 
 
 def build_drafter(spec: SpecConfig, target: LoadedModel) -> Drafter:
