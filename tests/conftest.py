@@ -8,6 +8,7 @@ results are exact and comparable with transformers' reference on every machine.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.loading.registry import DEFAULT_MODEL
@@ -17,3 +18,13 @@ from specfork.loading.registry import DEFAULT_MODEL
 def smollm_f32() -> LoadedModel:
     """SmolLM2-135M-Instruct (the default model), float32, CPU."""
     return load_model(DEFAULT_MODEL, dtype="float32", device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: intra-op threads only add synchronization (seconds per test when the CPUs
+    are shared), so such tests run single-threaded and restore the setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

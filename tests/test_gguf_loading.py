@@ -36,6 +36,7 @@ from transformers import (
 
 from specfork.errors import ModelFormatError
 from specfork.loading.loader import load_decoder
+from tiny_models import randomize
 
 ATOL = 1e-4
 VOCAB = 128
@@ -120,32 +121,10 @@ CASES: dict[str, Case] = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add synchronization cost (seconds on shared CPUs)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- a transformers model and its GGUF, as llama.cpp converts it ------------------------------
-
-
-def randomize(model: PreTrainedModel, seed: int, norm_center: float) -> None:
-    """Random values for every parameter (biases and norm weights included)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(norm_center + 0.5 * (torch.rand(p.shape, generator=gen) - 0.5))
-            elif name.endswith("bias"):
-                p.copy_(0.3 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(noise * p.shape[-1] ** -0.5)
 
 
 def permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:

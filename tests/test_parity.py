@@ -38,6 +38,7 @@ from transformers import (
 
 from specfork.loading.loader import load_decoder
 from specfork.models import DecoderLM
+from tiny_models import randomize
 
 ATOL = 1e-4  # max abs logit difference allowed (fp32 on both sides)
 VOCAB = 128
@@ -148,30 +149,7 @@ CASES: dict[str, Case] = {
 # -- helpers ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models are tiny: intra-op threads only add synchronization (which costs seconds per
-    test when the CPUs are shared), so run single-threaded and restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def randomize(model: PreTrainedModel, seed: int, norm_center: float) -> None:
-    """Give every parameter random values of a scale that keeps the logits O(1)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(norm_center + 0.5 * (torch.rand(p.shape, generator=gen) - 0.5))
-            elif name.endswith("bias"):
-                p.copy_(0.3 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(noise)
-            else:  # linear weights [out, in]
-                p.copy_(noise * p.shape[-1] ** -0.5)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build_reference(case: Case, seed: int = 0, **extra: object) -> PreTrainedModel:
