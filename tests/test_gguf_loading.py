@@ -36,23 +36,11 @@ from transformers import (
 
 from specfork.errors import ModelFormatError
 from specfork.loading.loader import load_decoder
-from tiny_models import randomize
+from tiny_models import TINY, VOCAB, randomize
 
 ATOL = 1e-4
-VOCAB = 128
 SEQ = 40
 
-TINY = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

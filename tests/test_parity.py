@@ -38,23 +38,10 @@ from transformers import (
 
 from specfork.loading.loader import load_decoder
 from specfork.models import DecoderLM
-from tiny_models import randomize
+from tiny_models import TINY, VOCAB, randomize
 
 ATOL = 1e-4  # max abs logit difference allowed (fp32 on both sides)
-VOCAB = 128
 SEQ = 40  # tokens of the full prefill: longer than every sliding window and rope scaling range
-
-TINY = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
 
 
 @dataclass(frozen=True)

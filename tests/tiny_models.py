@@ -5,6 +5,21 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+VOCAB = 128
+
+#: A tiny transformers config (Llama-shaped keys) every architecture test starts from.
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
 
 def randomize(model: PreTrainedModel, seed: int, norm_center: float) -> None:
     """Random values for every parameter (biases and norm weights included, which transformers
