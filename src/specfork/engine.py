@@ -80,11 +80,7 @@ class Generator:
         self.context = min(limit, max_context) if max_context else limit
         self.prefill_chunk = prefill_chunk
         self.spec = spec or SpecConfig()
-        if self.spec.strategy != "ar" and self.spec.k >= self.context:
-            raise ConfigError(
-                f"k={self.spec.k} drafts more tokens than the context holds ({self.context}); "
-                "use a k below it (2-8 is typical)"
-            )
+        self._check_k(self.spec)
         if drafter is not None and self.spec.strategy == "ar":
             self.spec = SpecConfig("speculative", k=self.spec.k)
         built_drafter, built_policy = (None, None)
@@ -92,6 +88,11 @@ class Generator:
             built_drafter, built_policy = build_strategy(self.spec, loaded, drafter is None)
         self.drafter = drafter or built_drafter
         self.policy = policy or built_policy
+        self._loaded = loaded
+        self.default_spec = self.spec
+        self._strategies: dict[SpecConfig, tuple[Drafter | None, DraftPolicy | None]] = {
+            self.spec: (self.drafter, self.policy)
+        }
         self._cache: KVCache | None = None
 
     # -- prompts ------------------------------------------------------------------------------
@@ -123,9 +124,10 @@ class Generator:
         chat: bool | None = None,
         config: GenerationConfig | None = None,
         sampling: SamplingParams | None = None,
+        spec: SpecConfig | None = None,
     ) -> GenerationResult:
-        """Generate a whole completion."""
-        stream = self.stream(prompt, chat=chat, config=config, sampling=sampling)
+        """Generate a whole completion (`spec` overrides the strategy for this request)."""
+        stream = self.stream(prompt, chat=chat, config=config, sampling=sampling, spec=spec)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -138,10 +140,12 @@ class Generator:
         chat: bool | None = None,
         config: GenerationConfig | None = None,
         sampling: SamplingParams | None = None,
+        spec: SpecConfig | None = None,
     ) -> TextStream:
         """Generate, yielding text deltas that never split a character or a stop string.
 
-        A list of ints is taken as already-tokenized prompt ids.
+        A list of ints is taken as already-tokenized prompt ids. `spec` runs this request
+        with another strategy (built once and kept for later requests that ask for it).
         """
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
             ids = list(prompt)
@@ -150,7 +154,16 @@ class Generator:
         config = config or GenerationConfig()
         sampling = sampling or SamplingParams()
         self._check_prompt(ids)
+        self.use_strategy(spec or self.default_spec)
         return TextStream(self._events(ids, config, sampling))
+
+    def use_strategy(self, spec: SpecConfig) -> None:
+        """Make `spec` the strategy of the next requests (drafters are built once, then kept)."""
+        if spec not in self._strategies:
+            self._check_k(spec)
+            self._strategies[spec] = build_strategy(spec, self._loaded)
+        self.spec = spec
+        self.drafter, self.policy = self._strategies[spec]
 
     # -- the loop -----------------------------------------------------------------------------
     def _events(
@@ -251,6 +264,13 @@ class Generator:
             self._cache = self.model.new_cache(max(length, 256))
         self._cache.reset()
         return self._cache
+
+    def _check_k(self, spec: SpecConfig) -> None:
+        if spec.strategy != "ar" and spec.k >= self.context:
+            raise ConfigError(
+                f"k={spec.k} drafts more tokens than the context holds ({self.context}); "
+                "use a k below it (2-8 is typical)"
+            )
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
