@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,16 +25,19 @@ from pathlib import Path
 
 import torch
 
+from specfork.bench.hf import load_hf_model
+from specfork.bench.prompts import load_prompts
+from specfork.bench.runner import machine_info
 from specfork.config import GenerationConfig
 from specfork.engine import Generator
 from specfork.loading.loader import load_model
 
 
 def read_prompts(path: Path, n: int) -> list[tuple[str, str]]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The first n prompts of a Spec-Bench file, round-robin over its categories."""
     by_cat: dict[str, list[str]] = {}
-    for r in rows:
-        by_cat.setdefault(r["category"], []).append(r["turns"][0])
+    for p in load_prompts(path):
+        by_cat.setdefault(p.category, []).append(p.text)
     picked: list[tuple[str, str]] = []
     while len(picked) < n and any(by_cat.values()):  # round-robin over categories
         for cat, items in by_cat.items():
@@ -67,13 +69,9 @@ def time_hf(model: object, ids: list[int], n: int) -> float:
 def decode_speed(
     dtype: torch.dtype, model_path: Path, prompts: list[list[int]], n: int, repeats: int
 ) -> dict:
-    from transformers import AutoModelForCausalLM
-
     loaded = load_model(str(model_path), dtype=dtype, device="cpu", progress=False)
     gen = Generator(loaded)
-    hf = AutoModelForCausalLM.from_pretrained(
-        model_path.parent, gguf_file=model_path.name, dtype=dtype
-    ).eval()
+    hf = load_hf_model(model_path, dtype)
     runners = {"specfork": lambda ids, k: time_specfork(gen, ids, k),
                "hf-generate": lambda ids, k: time_hf(hf, ids, k)}  # fmt: skip
     for run in runners.values():  # warm-up
@@ -177,8 +175,7 @@ def main() -> None:
     prompts = [gen.encode_prompt(p) for _, p in read_prompts(args.prompts, args.n_prompts)]
     del gen, loaded
     result = {
-        "machine": {"cpu": _cpu_name(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": platform.python_version()},
+        "machine": machine_info(),
         "prompt_tokens": [len(p) for p in prompts],
         "max_new_tokens": args.max_new_tokens,
     }  # fmt: skip
@@ -193,13 +190,6 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":

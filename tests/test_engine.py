@@ -329,3 +329,23 @@ def test_good_params_are_accepted() -> None:
     params = SamplingParams(temperature=0.8, top_k=40, top_p=1, min_p=1, seed=7)
     assert not params.greedy
     assert GenerationConfig(max_new_tokens=1, stop=("\n",)).max_new_tokens == 1
+
+
+def test_per_request_strategy(smollm_f32: LoadedModel, first: GenerationResult) -> None:
+    """`spec=` runs one request with another strategy; the next plain request is plain again."""
+    from specfork.config import SpecConfig
+    from specfork.engine import MAX_KEPT_STRATEGIES
+
+    own = Generator(smollm_f32)
+    config = GenerationConfig(max_new_tokens=N_MAIN, ignore_eos=True)
+    for k in range(1, MAX_KEPT_STRATEGIES + 3):  # more strategies than are kept
+        spec = SpecConfig("speculative", "ngram", k=k)
+        result = own.generate(PROMPT, config=config, spec=spec)
+        assert result.token_ids == first.token_ids
+        assert own.spec == spec
+    assert len(own._strategies) == MAX_KEPT_STRATEGIES
+    assert own.default_spec in own._strategies  # the default is never forgotten
+    again = own.generate(PROMPT, config=config)
+    assert again.token_ids == first.token_ids and again.stats.drafted == 0
+    with pytest.raises(ConfigError, match="unknown drafter"):
+        own.generate(PROMPT, config=config, spec=SpecConfig("speculative", "nope"))

@@ -82,7 +82,9 @@ class KVCache:
         compact an accepted tree path: its nodes are scattered among rejected siblings.
         """
         idx = torch.as_tensor(indices, dtype=torch.long, device=self.k.device)  # [N]
-        first = int(idx[0]) if start is None and len(idx) else (start or 0)
+        if len(idx) == 0:
+            raise ValueError("keep() needs at least one slot; use truncate(n) to drop slots")
+        first = int(idx[0]) if start is None else start
         if len(idx) and (int(idx.max()) >= self.length or first > int(idx.min())):
             raise ValueError(f"keep({idx.tolist()}, start={first}) outside length {self.length}")
         dest = slice(first, first + len(idx))

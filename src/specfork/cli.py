@@ -1,4 +1,4 @@
-"""`specfork generate | models` — parses flags, builds configs, calls the library.
+"""The `specfork` command: parses flags, builds configs, calls the library.
 
 Generated text, and only that, goes to stdout; progress, stats and errors go to stderr. A user
 mistake prints one line naming the problem and exits with status 2 (never a traceback).
@@ -19,7 +19,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from specfork import __version__
-from specfork.config import STRATEGIES, GenerationConfig, SamplingParams, SpecConfig
+from specfork.config import (
+    STRATEGIES,
+    TREE_SHAPES,
+    GenerationConfig,
+    SamplingParams,
+    SpecConfig,
+)
 from specfork.errors import SpecforkError
 from specfork.loading.registry import DEFAULT_MODEL
 from specfork.metrics import GenerationStats
@@ -59,12 +65,16 @@ def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
         "--strategy",
         default="ar",
         choices=STRATEGIES,
-        help="ar = plain decoding; speculative = draft, then verify in one pass",
+        help="ar = plain decoding; speculative = draft, then verify in one pass; "
+        "dspark = speculative with K chosen every round from the target's confidence; "
+        "spork = a tree of forks verified in one pass",
     )
     g.add_argument(
         "--drafter",
-        default="ngram",
-        help="ngram (prompt lookup), self (the target's own layers) or model:PATH",
+        default=None,
+        help="ngram (prompt lookup), self (the target's own layers) or model:PATH; for spork "
+        "one or more of recycle, ngram, self, model:PATH joined by + (default: ngram; "
+        "recycle for spork)",
     )
     g.add_argument("--k", type=int, default=5, help="draft length (maximum for linear-decay)")
     g.add_argument(
@@ -79,9 +89,61 @@ def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-layers", default=None, help="self drafter: layers it skips, e.g. 10-19")
     g.add_argument("--max-ngram", type=int, default=3, help="ngram drafter: longest n tried")
     g.add_argument("--min-ngram", type=int, default=1, help="ngram drafter: shortest n tried")
+    _add_dspark_flags(p)
+    _add_spork_flags(p)
+
+
+def _add_spork_flags(p: argparse.ArgumentParser) -> None:
+    d = SpecConfig()
+    g = p.add_argument_group("SPORK (--strategy spork)")
+    g.add_argument("--forks", type=int, default=d.forks, help="first-level forks (default 4)")
+    g.add_argument("--depth", type=int, default=d.depth, help="tokens per fork (default 4)")
+    g.add_argument("--tree", choices=TREE_SHAPES, default=d.tree,
+                   help="forks = forks x depth; dynamic = the budget best nodes")  # fmt: skip
+    g.add_argument("--budget", type=int, default=d.budget, help="most tree nodes (default 24)")
+    g.add_argument("--tau", type=float, default=d.tau,
+                   help="prune nodes whose prior score is below this, in [0, 1)")  # fmt: skip
+    g.add_argument("--target-acceptance", type=float, default=d.target_acceptance,
+                   help="acceptance the tau controller steers toward (default 0.7)")  # fmt: skip
+    g.add_argument("--no-adapt", dest="adapt", action="store_false",
+                   help="keep forks, depth and tau fixed")  # fmt: skip
+    g.add_argument("--lossy-typical", action="store_true",
+                   help="LOSSY: Medusa typical acceptance, not exact verification")  # fmt: skip
+    g.add_argument("--typical-epsilon", type=float, default=d.typical_epsilon,
+                   help="lossy typical acceptance: epsilon (default 0.09)")  # fmt: skip
+    g.add_argument("--typical-delta", type=float, default=d.typical_delta,
+                   help="lossy typical acceptance: delta (default 0.3)")  # fmt: skip
+
+
+def _add_report_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("reports")
     g.add_argument("--stats", action="store_true", help="print all request stats to stderr")
     g.add_argument("--trace", type=Path, default=None,
                    help="write one JSON line per decoding round to this file")  # fmt: skip
+
+
+def _add_dspark_flags(p: argparse.ArgumentParser) -> None:
+    d = SpecConfig()
+    g = p.add_argument_group("DSpark (--strategy dspark)")
+    g.add_argument("--min-k", type=int, default=d.min_k, help="shortest draft (default 2)")
+    g.add_argument("--max-k", type=int, default=d.max_k, help="longest draft (default 8)")
+    g.add_argument("--low", type=float, default=d.low,
+                   help="confidence at or below which K = min-k (default 0.3)")  # fmt: skip
+    g.add_argument("--high", type=float, default=d.high,
+                   help="confidence at or above which K = max-k (default 0.7)")  # fmt: skip
+    g.add_argument("--weights", type=_float_list, default=d.weights, metavar="TOP1,MARGIN,EMA",
+                   help="weights of the confidence signals (default 0.4,0.3,0.3)")  # fmt: skip
+    g.add_argument("--ema-rate", type=float, default=d.ema_rate,
+                   help="rate of the acceptance EMA, in (0, 1] (default 0.2)")  # fmt: skip
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers such as 0.4,0.3,0.3, got {text!r}"
+        ) from exc
 
 
 def spec_from_args(args: argparse.Namespace, expected_length: int) -> SpecConfig:
@@ -90,6 +152,12 @@ def spec_from_args(args: argparse.Namespace, expected_length: int) -> SpecConfig
         strategy=args.strategy, drafter=args.drafter, k=args.k, k_policy=args.k_policy,
         self_layers=args.self_layers, skip_layers=args.skip_layers,
         max_ngram=args.max_ngram, min_ngram=args.min_ngram, expected_length=expected_length,
+        min_k=args.min_k, max_k=args.max_k, low=args.low, high=args.high,
+        weights=args.weights, ema_rate=args.ema_rate,
+        forks=args.forks, depth=args.depth, tree=args.tree, budget=args.budget, tau=args.tau,
+        target_acceptance=args.target_acceptance, adapt=args.adapt,
+        lossy_typical=args.lossy_typical, typical_epsilon=args.typical_epsilon,
+        typical_delta=args.typical_delta,
     )  # fmt: skip
 
 
@@ -117,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", "-q", action="store_true", help="no progress or stats on stderr")
     _add_sampling_flags(gen)
     _add_strategy_flags(gen)
+    _add_report_flags(gen)
 
     scan = sub.add_parser(
         "scan-self", help="measure which of its own layers a model should draft with"
@@ -129,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Spec-Bench JSONL file (first turns used); default: built-in prompts",
     )
     scan.add_argument("--max-new-tokens", "-n", type=int, default=64)  # fmt: skip
+
+    from specfork.bench.cli import add_bench_parser
+    from specfork.cli_tools import add_tool_parsers
+    from specfork.server.cli import add_serve_parser
+
+    add_tool_parsers(sub)
+    add_bench_parser(sub)
+    add_serve_parser(sub)
 
     models = sub.add_parser("models", help="list packaged models and what is cached")
     models.add_argument("--json", action="store_true", help="machine-readable output")
@@ -148,6 +225,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args, err)
         if args.command == "scan-self":
             return _scan_self(args, err)
+        if args.command == "serve":
+            from specfork.server.cli import run_serve
+
+            return run_serve(args, err)
+        if args.command == "bench":
+            from specfork.bench.cli import run_bench
+
+            return run_bench(args, err)
+        if args.command in ("calibrate", "trace-plot"):
+            from specfork import cli_tools
+
+            run = (
+                cli_tools.run_calibrate if args.command == "calibrate" else cli_tools.run_trace_plot
+            )
+            return run(args, err)
         return _models(args)
     except SpecforkError as exc:
         err.print(f"[bold red]specfork: error:[/] {escape(str(exc))}", soft_wrap=True)

@@ -193,7 +193,9 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-STRATEGIES = ("ar", "speculative")
+STRATEGIES = ("ar", "speculative", "dspark", "spork")
+TREE_SHAPES = ("forks", "dynamic")
+SPORK_SOURCES = ("recycle", "ngram", "self", "model:PATH")
 POLICY_NAMES = ("constant", "heuristic", "linear-decay")
 DRAFTERS = ("ngram", "self", "model:PATH")
 
@@ -206,10 +208,21 @@ class SpecConfig:
     lookup), "self" (the target's own layers: `self_layers` for early exit, e.g. "0-11", or
     `skip_layers`), or "model:PATH" (a separate draft model sharing the target's vocabulary).
     `k` is the draft length (the maximum for linear-decay); `k_policy` the draft-length policy.
+
+    "dspark" drafts with the same drafters but re-chooses K every round from a confidence
+    C = (w_top1·top1 + w_margin·min(margin_scale·margin, 1) + w_ema·EMA) / Σw, mapped linearly
+    from [low, high] onto [min_k, max_k] (see `specfork.dspark`).
+
+    "spork" drafts a tree and verifies it in one pass (see `specfork.spork`): `drafter` is one
+    or more sources joined by "+" ("recycle", "ngram", "self", "model:PATH"); `tree` "forks"
+    is `forks` forks × `depth` tokens, "dynamic" the `budget` best nodes up to `depth` deep;
+    nodes whose prior score is below `tau` are not verified; forks, depth and tau adapt toward
+    `target_acceptance` when `adapt`. `lossy_typical` swaps exact verification for Medusa's
+    typical acceptance (LOSSY: the output may differ from plain decoding).
     """
 
     strategy: str = "ar"
-    drafter: str = "ngram"
+    drafter: str | None = None  # default: "recycle" for spork, "ngram" otherwise
     k: int = 5
     k_policy: str = "constant"
     self_layers: str | None = None
@@ -217,18 +230,32 @@ class SpecConfig:
     max_ngram: int = 3
     min_ngram: int = 1
     expected_length: int = 256  # T of the linear-decay policy
+    # DSpark's confidence schedule
+    min_k: int = 2
+    max_k: int = 8
+    low: float = 0.3
+    high: float = 0.7
+    weights: tuple[float, float, float] = (0.4, 0.3, 0.3)  # top1, margin, EMA of acceptance
+    ema_rate: float = 0.2
+    margin_scale: float = 5.0
+    # SPORK's tree
+    forks: int = 4
+    depth: int = 4
+    tree: str = "forks"
+    budget: int = 24
+    tau: float = 0.0
+    target_acceptance: float = 0.7
+    adapt: bool = True
+    lossy_typical: bool = False
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ConfigError(
                 f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}"
             )
-        if not isinstance(self.drafter, str) or (
-            self.drafter not in ("ngram", "self") and not self.drafter.startswith("model:")
-        ):
-            raise ConfigError(
-                f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}"
-            )
+        self._check_drafter()
         if not _is_int(self.k) or self.k < 1:
             raise ConfigError(f"k (draft length) must be an integer >= 1, got {self.k}")
         if self.k_policy not in POLICY_NAMES:
@@ -243,5 +270,82 @@ class SpecConfig:
             raise ConfigError(
                 f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})"
             )
+        for name in ("self_layers", "skip_layers"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{name} must be a layer list such as '0-11', got {value!r}")
         if self.self_layers and self.skip_layers:
             raise ConfigError("give either self_layers (early exit) or skip_layers, not both")
+        self._check_dspark()
+        self._check_spork()
+
+    def _check_drafter(self) -> None:
+        if self.drafter is None:
+            object.__setattr__(self, "drafter", "recycle" if self.strategy == "spork" else "ngram")
+        if not isinstance(self.drafter, str):
+            raise ConfigError(f"drafter must be a string such as 'ngram', got {self.drafter!r}")
+        if self.strategy == "spork":
+            for source in self.drafter.split("+"):
+                if source not in ("recycle", "ngram", "self") and not source.startswith("model:"):
+                    raise ConfigError(
+                        f"unknown spork drafter {source!r}; use one or more of "
+                        f"{', '.join(SPORK_SOURCES)} joined by '+', e.g. recycle+ngram"
+                    )
+        elif self.drafter not in ("ngram", "self") and not self.drafter.startswith("model:"):
+            hint = " (recycle drafts trees: strategy spork)" if "recycle" in self.drafter else ""
+            raise ConfigError(
+                f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}{hint}"
+            )
+
+    def _check_spork(self) -> None:
+        for name in ("forks", "depth", "budget"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+        if self.tree not in TREE_SHAPES:
+            raise ConfigError(f"unknown tree shape {self.tree!r}; choose one of forks, dynamic")
+        if self.budget < self.depth:
+            raise ConfigError(
+                f"the node budget ({self.budget}) is smaller than the depth ({self.depth}); "
+                "a budget must hold at least one whole fork"
+            )
+        if not (_is_number(self.tau) and 0 <= self.tau < 1):
+            raise ConfigError(f"tau must be in [0, 1), got {self.tau}")
+        if not (_is_number(self.target_acceptance) and 0 < self.target_acceptance <= 1):
+            raise ConfigError(f"target_acceptance must be in (0, 1], got {self.target_acceptance}")
+        if self.lossy_typical and self.strategy != "spork":
+            raise ConfigError("lossy typical acceptance is a SPORK option; use strategy spork")
+        if not (_is_number(self.typical_epsilon) and 0 < self.typical_epsilon <= 1):
+            raise ConfigError(f"typical_epsilon must be in (0, 1], got {self.typical_epsilon}")
+        if not (_is_number(self.typical_delta) and self.typical_delta > 0):
+            raise ConfigError(f"typical_delta must be > 0, got {self.typical_delta}")
+
+    def _check_dspark(self) -> None:
+        if not _is_int(self.min_k) or self.min_k < 1:
+            raise ConfigError(f"min_k must be an integer >= 1, got {self.min_k}")
+        if not _is_int(self.max_k) or self.max_k < self.min_k:
+            raise ConfigError(f"max_k must be an integer >= min_k ({self.min_k}), got {self.max_k}")
+        if not (_is_number(self.low) and _is_number(self.high) and self.low < self.high):
+            raise ConfigError(
+                f"the confidence thresholds need low < high (finite numbers), got low={self.low}, "
+                f"high={self.high}; the defaults are 0.3 and 0.7"
+            )
+        w = tuple(self.weights) if isinstance(self.weights, (tuple, list)) else (self.weights,)
+        object.__setattr__(self, "weights", w)
+        if len(w) != 3 or not all(_is_number(x) and x >= 0 for x in w) or sum(w) <= 0:
+            raise ConfigError(
+                f"weights must be three numbers >= 0 (top1, margin, EMA) with a positive sum, "
+                f"got {w}; the default is 0.4,0.3,0.3"
+            )
+        if not (_is_number(self.ema_rate) and 0 < self.ema_rate <= 1):
+            raise ConfigError(f"ema_rate must be in (0, 1], got {self.ema_rate}")
+        if not (_is_number(self.margin_scale) and self.margin_scale > 0):
+            raise ConfigError(f"margin_scale must be a number > 0, got {self.margin_scale}")
+
+    @property
+    def draft_k(self) -> int:
+        """The most tokens one round drafts (DSpark's max_k, SPORK's node budget); 0 if none."""
+        if self.strategy == "ar":
+            return 0
+        if self.strategy == "spork":
+            return self.budget
+        return self.max_k if self.strategy == "dspark" else self.k

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -23,11 +24,19 @@ from specfork.output import OutputBuilder
 from specfork.policies import DraftPolicy, RoundInfo
 from specfork.sampling import make_generator, next_token, probabilities
 from specfork.strategies import build_strategy
+from specfork.tree import Tree, cache_indices, children, depths, tree_mask, tree_positions
 from specfork.verify import one_hot_q, verify_greedy, verify_sampling
+from specfork.verify_tree import (
+    TreeVerdict,
+    verify_tree_greedy,
+    verify_tree_sampling,
+    verify_tree_typical,
+)
 
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[dict[str, str]]
+MAX_KEPT_STRATEGIES = 8  # built strategies (drafters with their caches) kept for reuse
 
 
 @dataclass
@@ -90,9 +99,9 @@ class Generator:
         self.policy = policy or built_policy
         self._loaded = loaded
         self.default_spec = self.spec
-        self._strategies: dict[SpecConfig, tuple[Drafter | None, DraftPolicy | None]] = {
-            self.spec: (self.drafter, self.policy)
-        }
+        self._strategies: OrderedDict[SpecConfig, tuple[Drafter | None, DraftPolicy | None]] = (
+            OrderedDict({self.spec: (self.drafter, self.policy)})
+        )
         self._cache: KVCache | None = None
 
     # -- prompts ------------------------------------------------------------------------------
@@ -162,6 +171,10 @@ class Generator:
         if spec not in self._strategies:
             self._check_k(spec)
             self._strategies[spec] = build_strategy(spec, self._loaded)
+            if len(self._strategies) > MAX_KEPT_STRATEGIES:  # forget the least recently used
+                oldest = next(s for s in self._strategies if s != self.default_spec)
+                del self._strategies[oldest]
+        self._strategies.move_to_end(spec)
         self.spec = spec
         self.drafter, self.policy = self._strategies[spec]
 
@@ -169,7 +182,7 @@ class Generator:
     def _events(
         self, ids: list[int], config: GenerationConfig, sampling: SamplingParams
     ) -> Iterator[str | GenerationResult]:
-        stats = GenerationStats(prompt_tokens=len(ids))
+        stats = GenerationStats(prompt_tokens=len(ids), lossy=self.spec.lossy_typical)
         out = OutputBuilder(
             self.tokenizer, config, max_tokens=self.context - len(ids), prompt_ids=ids
         )
@@ -177,15 +190,15 @@ class Generator:
         cache = self._cache_for(len(ids) + out.max_tokens)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            logits = self.model.extend(ids, cache, chunk=self.prefill_chunk)  # [V]
+            if self.drafter is not None:
+                self.drafter.begin(ids)
+                self.policy.reset()
+            logits = self._prefill(ids, cache)  # [V]
             stats.prefill_seconds = time.perf_counter() - t0
             tokens = [next_token(logits, sampling, rng)]
             stats.time_to_first_token = time.perf_counter() - t0
             history = list(ids)
             self._prompt_len = len(ids)
-            if self.drafter is not None:
-                self.drafter.begin(ids)
-                self.policy.reset()
             t1 = time.perf_counter()
             while True:
                 used = out.add(tokens)
@@ -203,6 +216,16 @@ class Generator:
         yield out.new_text()
         yield GenerationResult(out.text, out.token_ids, out.finish_reason or "length", ids, stats)
 
+    def _prefill(self, ids: list[int], cache: KVCache) -> torch.Tensor:
+        """Run the prompt; a drafter that learns from the target's logits sees every row."""
+        if not getattr(self.drafter, "wants_prefill_logits", False):
+            return self.model.extend(ids, cache, chunk=self.prefill_chunk)  # [V]
+        for i in range(0, len(ids), self.prefill_chunk):
+            part = ids[i : i + self.prefill_chunk]
+            logits = self.model.extend(part, cache, last_only=False)  # [T, V]
+            self.drafter.observe(torch.tensor(part), logits)
+        return logits[-1]
+
     def _round(
         self,
         history: list[int],
@@ -217,10 +240,14 @@ class Generator:
         `history[-1]` is the last emitted token, not yet in the target's cache. Plain
         decoding is the empty draft: the target runs on that one token.
         """
+        if self.spec.strategy == "spork":
+            return self._tree_round(history, max_draft, cache, sampling, rng, stats)
         draft, k = self._draft(history, max_draft, sampling, rng)
         start = cache.length
+        t0 = time.perf_counter()
         chain = [history[-1], *draft.tokens.tolist()]
         logits = self.model.extend(chain, cache, last_only=False)  # [K + 1, V]
+        stats.verify_seconds += time.perf_counter() - t0
         drafted = draft.tokens.to(logits.device)  # [K]
         if sampling.greedy:
             verdict = verify_greedy(drafted, logits)
@@ -231,22 +258,69 @@ class Generator:
         cache.truncate(start + 1 + verdict.accepted)  # drop the rejected drafts' entries
         stats.record_round(len(draft), verdict.accepted)
         generated = len(history) - self._prompt_len
-        stats.rounds.append(
-            RoundRecord(len(stats.rounds), generated, k, len(draft), verdict.accepted,
-                        len(verdict.tokens))
-        )  # fmt: skip
+        extra = {}
         if self.drafter is not None:
             stats.draft_forwards += draft.forwards
             self.drafter.rollback(len(history) + verdict.accepted)
-            self.policy.update(
-                RoundInfo(
-                    len(draft),
-                    verdict.accepted,
-                    len(history) - self._prompt_len + len(verdict.tokens),
-                    target_logits=logits,
-                )
-            )
+            info = RoundInfo(len(draft), verdict.accepted, generated + len(verdict.tokens), logits)
+            self.policy.update(info)
+            extra = self.policy.trace()
+        first_rejected = len(draft) > 0 and verdict.accepted == 0
+        stats.rounds.append(
+            RoundRecord(len(stats.rounds), generated, k, len(draft), verdict.accepted,
+                        len(verdict.tokens), first_rejected, extra)
+        )  # fmt: skip
         return verdict.tokens
+
+    def _tree_round(
+        self,
+        history: list[int],
+        max_depth: int,
+        cache: KVCache,
+        sampling: SamplingParams,
+        rng: torch.Generator,
+        stats: GenerationStats,
+    ) -> list[int]:
+        """SPORK: grow a tree, verify all its nodes in one forward, keep the best path."""
+        generated = len(history) - self._prompt_len
+        shape = self.policy.next_shape(generated)
+        room = cache.max_len - cache.length - 1  # nodes that fit after the root
+        draft, tree = self.drafter.propose_tree(history, shape, max_depth, max(room, 0))
+        start = cache.length
+        t0 = time.perf_counter()
+        inputs = torch.tensor([history[-1], *tree.tokens.tolist()], device=self.model.device)
+        mask = tree_mask(tree).to(inputs.device) if len(tree) else None  # [N + 1, N + 1]
+        positions = tree_positions(tree, start).to(inputs.device)  # [N + 1]
+        hidden = self.model(inputs[None], positions, cache, mask=mask)  # [1, N + 1, D]
+        logits = self.model.logits(hidden[0])  # [N + 1, V]
+        stats.verify_seconds += time.perf_counter() - t0
+        verdict = self._verify_tree(tree, logits, sampling, rng)
+        cache.keep(cache_indices(verdict.path, start), start)  # the accepted path, compacted
+        self.drafter.observe(inputs, logits)
+        self.drafter.rollback(len(history) + verdict.accepted)
+        depth = int(depths(tree).max()) if len(tree) else 0
+        stats.record_round(len(tree), verdict.accepted, depth)
+        stats.draft_forwards += draft.forwards
+        fork = children(tree)[0].index(verdict.path[0]) if verdict.path else None
+        info = RoundInfo(len(tree), verdict.accepted, generated + len(verdict.tokens), logits,
+                         fork=fork, tree_depth=depth)  # fmt: skip
+        self.policy.update(info)
+        extra = {**self.policy.trace(), **({"lossy": True} if self.spec.lossy_typical else {})}
+        stats.rounds.append(
+            RoundRecord(len(stats.rounds), generated, shape.depth, len(tree), verdict.accepted,
+                        len(verdict.tokens), len(tree) > 0 and not verdict.path, extra)
+        )  # fmt: skip
+        return verdict.tokens
+
+    def _verify_tree(
+        self, tree: Tree, logits: torch.Tensor, sampling: SamplingParams, rng: torch.Generator
+    ) -> TreeVerdict:
+        if self.spec.lossy_typical:  # LOSSY: Medusa's typical acceptance
+            p = probabilities(logits, sampling) if not sampling.greedy else logits.softmax(-1)
+            return verify_tree_typical(tree, p, self.spec.typical_epsilon, self.spec.typical_delta)
+        if sampling.greedy:
+            return verify_tree_greedy(tree, logits)
+        return verify_tree_sampling(tree, probabilities(logits, sampling), None, rng)
 
     def _draft(
         self, history: list[int], max_draft: int, sampling: SamplingParams, rng: torch.Generator
@@ -266,9 +340,9 @@ class Generator:
         return self._cache
 
     def _check_k(self, spec: SpecConfig) -> None:
-        if spec.strategy != "ar" and spec.k >= self.context:
+        if spec.draft_k >= self.context:
             raise ConfigError(
-                f"k={spec.k} drafts more tokens than the context holds ({self.context}); "
+                f"k={spec.draft_k} drafts more tokens than the context holds ({self.context}); "
                 "use a k below it (2-8 is typical)"
             )
 

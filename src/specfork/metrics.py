@@ -15,9 +15,13 @@ class RoundRecord:
     drafted: int
     accepted: int
     emitted: int  # accepted + the target's token (before stop truncation)
+    first_rejected: bool = False  # drafted, and the first draft token already failed
+    extra: dict = field(default_factory=dict)  # what the policy computed (DSpark: C, ...)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out.update(out.pop("extra"))
+        return out
 
 
 @dataclass(slots=True)
@@ -34,9 +38,13 @@ class GenerationStats:
     draft_forwards: int = 0
     drafted: int = 0
     accepted: int = 0
+    drafting_rounds: int = 0  # rounds with a non-empty draft
+    first_token_rejections: int = 0  # drafting rounds whose first draft token was rejected
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
     rounds: list[RoundRecord] = field(default_factory=list)
+    lossy: bool = False  # verified with a lossy rule (SPORK's typical acceptance)
+    verify_seconds: float = 0.0  # inside the target's verification forwards
     prefill_seconds: float = 0.0
     time_to_first_token: float = 0.0
     decode_seconds: float = 0.0
@@ -46,9 +54,19 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def first_token_rejection_rate(self) -> float:
+        """Share of drafting rounds that accepted nothing (the first draft token failed)."""
+        return self.first_token_rejections / self.drafting_rounds if self.drafting_rounds else 0.0
+
+    @property
     def mean_accepted_length(self) -> float:
         decoded = max(self.new_tokens - 1, 0)  # the first token comes from the prefill
         return decoded / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def verify_share(self) -> float:
+        """Share of decoding time spent in the target's verification forwards."""
+        return self.verify_seconds / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -59,12 +77,19 @@ class GenerationStats:
     def prefill_tokens_per_second(self) -> float:
         return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
 
-    def record_round(self, drafted: int, accepted: int) -> None:
-        """Count one verification round with `drafted` proposals of which `accepted` held."""
+    def record_round(self, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """Count one verification round with `drafted` proposals of which `accepted` held.
+
+        For a tree, `drafted` counts its nodes and `depth` its depth: per-position counts
+        then run over depths (a tree drafts position j when it has a node at depth j + 1).
+        """
         self.target_forwards += 1
         self.drafted += drafted
         self.accepted += accepted
-        for pos in range(drafted):
+        if drafted:
+            self.drafting_rounds += 1
+            self.first_token_rejections += int(accepted == 0)
+        for pos in range(drafted if depth is None else depth):
             if pos >= len(self.drafted_by_position):
                 self.drafted_by_position.append(0)
                 self.accepted_by_position.append(0)
@@ -76,6 +101,8 @@ class GenerationStats:
         del out["rounds"]  # per-round records go to the trace, not the summary
         out.update(
             acceptance_rate=self.acceptance_rate,
+            first_token_rejection_rate=self.first_token_rejection_rate,
+            verify_share=self.verify_share,
             mean_accepted_length=self.mean_accepted_length,
             decode_tokens_per_second=self.decode_tokens_per_second,
             prefill_tokens_per_second=self.prefill_tokens_per_second,
@@ -89,6 +116,8 @@ class GenerationStats:
             f"{self.prefill_tokens_per_second:.0f} tok/s | decode "
             f"{self.decode_tokens_per_second:.1f} tok/s | TTFT {self.time_to_first_token:.2f} s"
         )
+        if self.lossy:
+            line += " | LOSSY (typical acceptance: output may differ from plain decoding)"
         if self.drafted:
             line += (
                 f" | accepted {self.accepted}/{self.drafted} ({self.acceptance_rate:.0%}), "

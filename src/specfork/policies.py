@@ -23,6 +23,8 @@ class RoundInfo:
     accepted: int
     generated: int  # output tokens so far, this round's included
     target_logits: torch.Tensor | None = None  # [K + 1, V] from the verification forward
+    fork: int | None = None  # trees: the root's child (sibling rank) that won; None = none
+    tree_depth: int = 0  # trees: depth of the deepest verified node
 
 
 class DraftPolicy(Protocol):
@@ -38,6 +40,9 @@ class DraftPolicy(Protocol):
 
     def update(self, info: RoundInfo) -> None:
         """Learn from the round that just finished."""
+
+    def trace(self) -> dict[str, float | int | bool]:
+        """Extra fields for this round's trace record (what the last update computed)."""
 
 
 def _check_k(k: int, name: str = "k") -> None:
@@ -62,6 +67,9 @@ class ConstantK:
 
     def update(self, info: RoundInfo) -> None:
         return None
+
+    def trace(self) -> dict[str, float | int | bool]:
+        return {}
 
 
 class HeuristicK:
@@ -90,6 +98,9 @@ class HeuristicK:
         full = info.accepted == info.drafted
         self.k = min(self.k_max, self.k + 2) if full else max(1, self.k - 1)
 
+    def trace(self) -> dict[str, float | int | bool]:
+        return {"next_k": self.k}
+
 
 class LinearDecayK:
     """K_t = max(1, round(K_max * (1 - t / T))), T the expected output length."""
@@ -110,6 +121,9 @@ class LinearDecayK:
 
     def update(self, info: RoundInfo) -> None:
         return None
+
+    def trace(self) -> dict[str, float | int | bool]:
+        return {}
 
 
 POLICIES = POLICY_NAMES

@@ -21,12 +21,14 @@ class Draft:
 
     `q[i]` is the distribution tokens[i] was drawn from (after the request's sampling
     transforms); None for deterministic proposals (n-gram lookup), which are treated as
-    one-hot q. `forwards` counts the drafter's model forwards spent on this draft.
+    one-hot q. `forwards` counts the drafter's model forwards spent on this draft. A tree
+    draft (SPORK) also has `parents`; a chain has None.
     """
 
     tokens: torch.Tensor  # [K] int64
     q: torch.Tensor | None = None  # [K, V] float32
     forwards: int = 0
+    parents: torch.Tensor | None = None  # [K] int64 for a tree: parent node, -1 = the root
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

@@ -87,13 +87,21 @@ class ModelDrafter:
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
     """'0-11' / '0,2,4-7' → sorted layer indices, validated against the model's layer count."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"a layer list must be a string such as 0-11, got {spec!r}")
     layers: set[int] = set()
+    out_of_range = ConfigError(
+        f"layers {spec!r} out of range; this model has layers 0-{num_layers - 1}"
+    )
     try:
         for part in spec.split(","):
             lo, _, hi = part.strip().partition("-")
-            layers.update(range(int(lo), int(hi or lo) + 1))
+            first, last = int(lo), int(hi or lo)
+            if first < 0 or last >= num_layers:  # checked before a huge range is built
+                raise out_of_range
+            layers.update(range(first, last + 1))
     except ValueError as exc:
         raise ConfigError(f"bad layer list {spec!r}; use e.g. 0-11 or 0,2,4-7") from exc
-    if not layers or min(layers) < 0 or max(layers) >= num_layers:
-        raise ConfigError(f"layers {spec!r} out of range; this model has layers 0-{num_layers - 1}")
+    if not layers:
+        raise out_of_range
     return sorted(layers)

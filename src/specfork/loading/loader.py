@@ -125,6 +125,8 @@ def load_decoder(
             rotary.reset_inv_freq(dev)
     if dev.type == "cpu" and dt == torch.float32:
         model.use_column_major_weights()
+    if dev.type == "cpu" and dt == torch.bfloat16:
+        model.use_packed_weights()
     return model.eval().requires_grad_(False)
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from specfork.cache import KVCache
 from specfork.config import ModelConfig
-from specfork.models.layers import RMSNorm, Rotary
+from specfork.models.layers import Linear, RMSNorm, Rotary
 
 
 class DecoderLM(nn.Module):
@@ -33,7 +33,7 @@ class DecoderLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.blocks = nn.ModuleList()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, self.unit_offset_norm)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
@@ -150,6 +150,19 @@ class DecoderLM(nn.Module):
         if self.config.tie_embeddings:
             self.embed_tokens.weight = self.lm_head.weight
 
+    def use_packed_weights(self) -> bool:
+        """Pack every linear weight for oneDNN (CPU bf16 multi-row products ~2x faster).
+
+        Returns False (and changes nothing) where oneDNN's bf16 kernels are not available.
+        """
+        cpu = self.device.type == "cpu"
+        if not (cpu and torch.backends.mkldnn.is_available() and _onednn_bf16_supported()):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        return True
+
     # -- weights ----------------------------------------------------------------------------
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy in weights named as in transformers' checkpoints."""
@@ -221,6 +234,11 @@ class DecoderLM(nn.Module):
             c.num_layers, c.num_kv_heads, c.head_dim, max_len,
             batch=batch, dtype=self.dtype, device=self.device,
         )  # fmt: skip
+
+
+def _onednn_bf16_supported() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 @contextmanager

@@ -6,14 +6,18 @@ verifies them losslessly (see `specfork.verify`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from specfork.config import SpecConfig
 from specfork.drafters.base import Drafter
+from specfork.drafters.forks import ForkDrafter
 from specfork.drafters.model import ModelDrafter, parse_layers
 from specfork.drafters.ngram import NgramDrafter
+from specfork.dspark import DSparkPolicy
 from specfork.errors import ConfigError
 from specfork.policies import DraftPolicy, make_policy
+from specfork.spork import SporkPolicy
 
 if TYPE_CHECKING:
     from specfork.loading.loader import LoadedModel
@@ -25,12 +29,28 @@ def build_strategy(
     """The drafter and policy that `spec` asks for (None, None for plain decoding)."""
     if spec.strategy == "ar":
         return None, None
-    policy = make_policy(spec.k_policy, spec.k, spec.expected_length)
+    if spec.strategy == "spork":
+        return (build_fork_drafter(spec, target) if with_drafter else None), SporkPolicy(spec)
+    if spec.strategy == "dspark":
+        policy: DraftPolicy = DSparkPolicy(spec)
+    else:
+        policy = make_policy(spec.k_policy, spec.k, spec.expected_length)
     return (build_drafter(spec, target) if with_drafter else None), policy
 
 
+def build_fork_drafter(spec: SpecConfig, target: LoadedModel) -> ForkDrafter:
+    """SPORK's tree drafter from the "+"-joined sources of `spec.drafter`."""
+    sources = spec.drafter.split("+")
+    chains = {
+        name: build_drafter(dataclasses.replace(spec, drafter=name), target)
+        for name in dict.fromkeys(sources)
+        if name != "recycle"
+    }
+    return ForkDrafter(target.model.config.vocab_size, recycle="recycle" in sources, chains=chains)
+
+
 def build_drafter(spec: SpecConfig, target: LoadedModel) -> Drafter:
-    """A drafter for `target` as `spec.drafter` names it."""
+    """A chain drafter for `target` as `spec.drafter` names it."""
     model = target.model
     n_layers = model.config.num_layers
     if spec.drafter == "ngram":

@@ -1,0 +1,42 @@
+"""Side-by-side benchmarks of decoding strategies (`specfork bench`).
+
+- `specs`: the strategy-spec syntax (``strategy[:drafter][?key=value&...]``) → SpecConfig;
+- `prompts`: Spec-Bench JSONL files and a built-in prompt set;
+- `runner`: warm-up, interleaved measurements, greedy matches (near-tie rule), medians;
+- `hf`: transformers baselines (``generate``, prompt lookup, assisted), imported lazily;
+- `report`: terminal tables, results.json, report.md, PNG plots;
+- `cli`: the `bench` subcommand (`add_bench_parser`, `run_bench`).
+
+Library use::
+
+    from specfork.bench import BenchSettings, builtin_prompts, parse_strategies, run_benchmark
+    settings = BenchSettings(parse_strategies("ar,speculative:ngram?k=4"), builtin_prompts())
+    results = run_benchmark(settings)
+    doc = results.to_dict()  # the results.json document
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BenchPrompt": "specfork.bench.prompts",
+    "builtin_prompts": "specfork.bench.prompts",
+    "load_prompts": "specfork.bench.prompts",
+    "select_prompts": "specfork.bench.prompts",
+    "BenchResults": "specfork.bench.runner",
+    "BenchSettings": "specfork.bench.runner",
+    "run_benchmark": "specfork.bench.runner",
+    "StrategySpec": "specfork.bench.specs",
+    "parse_strategies": "specfork.bench.specs",
+    "parse_strategy": "specfork.bench.specs",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'specfork.bench' has no attribute {name!r}")

@@ -1,0 +1,346 @@
+"""Benchmark outputs: terminal tables, results.json, report.md and PNG plots.
+
+Everything here works from the results.json document (``BenchResults.to_dict()``), so reports
+and plots can be made again from a saved file. Plots use matplotlib's Agg backend (no display):
+
+- ``speedup.png``: speedup over plain decoding by category and strategy;
+- ``acceptance_by_position.png``: acceptance rate at each draft position, per strategy;
+- ``dspark_trace.png``: draft length K and confidence C per round against the output position,
+  for strategies whose round records carry ``k`` and ``confidence`` (DSpark);
+- ``fork_wins.png``: how often each fork won, for strategies whose round records carry
+  ``fork`` (SPORK).
+
+The last two read the generic per-round dicts (``RoundRecord.to_dict()`` plus any extra keys)
+and are skipped when no strategy's rounds have those keys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from specfork.bench.runner import FIGURES, OVERALL
+from specfork.errors import ConfigError
+
+RESULTS_FILE = "results.json"
+REPORT_FILE = "report.md"
+PLOT_FILES = {
+    "speedup": "speedup.png",
+    "acceptance": "acceptance_by_position.png",
+    "dspark": "dspark_trace.png",
+    "forks": "fork_wins.png",
+}
+_FORMATS = {key: fmt for key, _, fmt in FIGURES}
+_TITLES = {key: title for key, title, _ in FIGURES}
+_BY_CATEGORY = (
+    "speedup",
+    "decode_tokens_per_second",
+    "mean_accepted_length",
+    "acceptance_rate",
+    "greedy_match_rate",
+)
+
+
+def check_output_dir(path: str | Path) -> Path:
+    """Create the output folder and prove it is writable (before anything runs)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".specfork-write-test-{uuid.uuid4().hex}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write to the output folder {path}: {exc.strerror or exc}; "
+            "choose another one with --out"
+        ) from exc
+    return path
+
+
+def fmt(key: str, value: Any) -> str:
+    """A figure for people: "n/a" where it does not exist."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return _FORMATS.get(key, "{}").format(value)
+
+
+def _rows(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Strategies with figures (skipped ones have none), in the order given."""
+    return [s for s in doc["strategies"] if s["status"] != "skipped"]
+
+
+# ------------------------------------------------------------------------ terminal
+
+
+_SPEED = ("decode_tokens_per_second", "speedup", "time_to_first_token", "peak_rss_mb")
+
+
+def print_tables(doc: Mapping[str, Any], console: Console) -> None:
+    """Overall speed, overall drafting figures and the speedup by category (rich tables)."""
+    if not console.is_terminal and console.width < 160:  # a file or a pipe: no width to keep
+        console = Console(file=console.file, width=160)
+    summary = doc["summary"]
+    drafting = tuple(k for k, _, _ in FIGURES if k not in _SPEED)
+    for title, keys in (
+        (f"overall speed (medians; speedup over {doc['reference']})", _SPEED),
+        ("overall drafting and greedy match (medians)", drafting),
+    ):
+        table = Table(title=title)
+        table.add_column("strategy", overflow="fold")
+        for key in keys:
+            table.add_column(_TITLES[key], justify="right")
+        for s in _rows(doc):
+            cell = summary.get(s["label"], {}).get(OVERALL, {})
+            name = s["label"] if s["status"] == "ok" else f"{s['label']} ({s['status']})"
+            table.add_row(escape(name), *(fmt(k, cell.get(k)) for k in keys))
+        console.print(table)
+    cats = [*doc["categories"], OVERALL]
+    by_cat = Table(title="speedup by category (median of per-prompt speedups)")
+    by_cat.add_column("strategy", overflow="fold")
+    for c in cats:
+        by_cat.add_column(escape(c), justify="right")
+    for s in _rows(doc):
+        cells = (fmt("speedup", summary[s["label"]][c]["speedup"]) for c in cats)
+        by_cat.add_row(escape(s["label"]), *cells)
+    console.print(by_cat)
+    for note in doc.get("notes", []):
+        console.print(f"note: {note}", markup=False, highlight=False)
+
+
+# ------------------------------------------------------------------------ files
+
+
+def write_results_json(doc: Mapping[str, Any], out: Path) -> Path:
+    path = out / RESULTS_FILE
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
+    return path
+
+
+def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = ()) -> Path:
+    """A Markdown report: machine, method, notes, tables, plots."""
+    m, st = doc["machine"], doc["settings"]
+    cats = [*doc["categories"], OVERALL]
+    n_prompts = len(doc["prompts"])
+    lines = [
+        f"# specfork bench: {Path(st['model']).name}",
+        "",
+        f"{doc['created']} · {m['cpu']} · {m['threads']} threads · torch {m['torch']} · "
+        f"transformers {m.get('transformers') or 'not installed'} · specfork {m['specfork']} · "
+        f"{m['dtype']} on {m['device']}",
+        "",
+        f"Command: `{m['command']}`",
+        "",
+        f"{n_prompts} prompts from {st['prompts_source']} ({len(doc['categories'])} categories), "
+        f"first turn with the chat template; {st['max_new_tokens']} new tokens at most"
+        f"{' (EOS ignored)' if st['ignore_eos'] else ''}, temperature {st['temperature']}; "
+        f"warm-up {st['warmup']}, then prompt by prompt with every strategy interleaved, "
+        f"{st['repeats']} repeat(s). Figures: per prompt the median over repeats; per category "
+        f"and overall the median over prompts. Speedup: decode tokens/s (prefill excluded) over "
+        f"`{doc['reference']}` on the same prompt in this run. Greedy match: the output equals "
+        f"`{doc['reference']}`'s, or first differs where the target's top-2 logits are within "
+        f"{st['near_tie_tolerance']} (a near-tie); exact match counts equal outputs only. "
+        "Wasted drafts: (drafted − accepted) per output token. Peak RSS: the process-wide "
+        "high-water mark during a strategy's runs (all loaded models count).",
+        "",
+    ]
+    if doc.get("notes"):
+        lines += ["Notes:", "", *(f"- {n}" for n in doc["notes"]), ""]
+    lines += ["## Overall", "", _md_table(
+        ["strategy", *(t for _, t, _ in FIGURES)],
+        [[s["label"], *(fmt(k, doc["summary"][s["label"]][OVERALL].get(k)) for k, _, _ in FIGURES)]
+         for s in _rows(doc)],
+    ), ""]  # fmt: skip
+    for key in _BY_CATEGORY:
+        lines += [f"## {_TITLES[key]} by category", "", _md_table(
+            ["strategy", *cats],
+            [[s["label"], *(fmt(key, doc["summary"][s["label"]][c].get(key)) for c in cats)]
+             for s in _rows(doc)],
+        ), ""]  # fmt: skip
+    lines += ["## Strategies", "", _md_table(
+        ["strategy", "family", "status", "error"],
+        [[s["label"], s["family"], s["status"], s.get("error") or ""] for s in doc["strategies"]],
+    ), ""]  # fmt: skip
+    if plots:
+        lines += ["## Plots", ""]
+        lines += [f"![{p.stem}]({p.name})" for p in plots]
+        lines.append("")
+    path = out / REPORT_FILE
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    def cell(x: object) -> str:
+        return str(x).replace("|", "\\|").replace("\n", " ")
+
+    out = ["| " + " | ".join(cell(h) for h in header) + " |", "|---" * len(header) + "|"]
+    out += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def write_all(doc: Mapping[str, Any], out: Path, plots: bool = True) -> dict[str, Any]:
+    """results.json, the PNG plots and report.md; returns what was written."""
+    pngs: list[Path] = []
+    if plots:
+        try:
+            pngs = write_plots(doc, out)
+        except ImportError:
+            note = "matplotlib is not installed: no plots (pip install matplotlib)"
+            doc = {**doc, "notes": [*doc.get("notes", []), note]}
+    return {
+        "results": write_results_json(doc, out),
+        "plots": pngs,
+        "report": write_report_md(doc, out, pngs),
+    }
+
+
+# ------------------------------------------------------------------------ plots
+
+
+def write_plots(doc: Mapping[str, Any], out: Path) -> list[Path]:
+    """Every plot the data allows (see the module docstring); returns the files written."""
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    written = []
+    for make in (_plot_speedup, _plot_acceptance, _plot_dspark, _plot_forks):
+        path = make(doc, out)
+        if path is not None:
+            written.append(path)
+    return written
+
+
+def _plot_speedup(doc: Mapping[str, Any], out: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    labels = [s["label"] for s in _rows(doc) if s["label"] != doc["reference"]]
+    if not labels:
+        return None
+    cats = [*doc["categories"], OVERALL]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(cats) * max(1, len(labels)) ** 0.5), 4.2))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        values = [doc["summary"][label][c].get("speedup") for c in cats]
+        ys = [v if v is not None else math.nan for v in values]
+        xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(cats))]
+        ax.bar(xs, ys, width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
+    ax.set_ylabel(f"speedup over {doc['reference']} (decode tok/s)")
+    ax.set_title("Speedup by category (median of per-prompt speedups)")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, out / PLOT_FILES["speedup"])
+
+
+def _plot_acceptance(doc: Mapping[str, Any], out: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    curves: dict[str, list[float]] = {}
+    for s in _rows(doc):
+        acc: list[int] = []
+        drafted: list[int] = []
+        for m in doc["measurements"]:
+            if m["strategy"] != s["label"] or not m["ok"] or not m.get("drafted_by_position"):
+                continue
+            for i, (a, d) in enumerate(
+                zip(m["accepted_by_position"], m["drafted_by_position"], strict=False)
+            ):
+                if i >= len(drafted):
+                    acc.append(0)
+                    drafted.append(0)
+                acc[i] += a
+                drafted[i] += d
+        if any(drafted):
+            curves[s["label"]] = [
+                a / d if d else math.nan for a, d in zip(acc, drafted, strict=True)
+            ]
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for label, ys in curves.items():
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=label)
+    ax.set_xlabel("draft position")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("acceptance rate (all runs)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance by draft position")
+    ax.legend(fontsize="small")
+    return _save(fig, out / PLOT_FILES["acceptance"])
+
+
+def _rounds_by_strategy(doc: Mapping[str, Any], keys: Sequence[str]) -> dict[str, list[dict]]:
+    """Per strategy, the first measured run's rounds whose records all carry `keys`."""
+    found: dict[str, list[dict]] = {}
+    for m in doc["measurements"]:
+        rounds = m.get("rounds") or []
+        if m["strategy"] in found or not m["ok"] or not rounds:
+            continue
+        if all(all(k in r for k in keys) for r in rounds):
+            found[m["strategy"]] = rounds
+    return found
+
+
+def _plot_dspark(doc: Mapping[str, Any], out: Path) -> Path | None:
+    from specfork.traceplot import plot_k_trace
+
+    traces = _rounds_by_strategy(doc, ("k", "confidence"))
+    if not traces:
+        return None
+    title = "K and C per round (first prompt, first repeat)"
+    return plot_k_trace(traces, out / PLOT_FILES["dspark"], title)
+
+
+def _plot_forks(doc: Mapping[str, Any], out: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    wins: dict[str, Counter[str]] = {}
+    for m in doc["measurements"]:
+        for r in m.get("rounds") or []:
+            if "fork" in r:
+                wins.setdefault(m["strategy"], Counter())[_fork_name(r["fork"])] += 1
+    if not wins:
+        return None
+    fig, axes = plt.subplots(1, len(wins), figsize=(4.5 * len(wins), 3.8), squeeze=False)
+    for ax, (label, counts) in zip(axes[0], wins.items(), strict=True):
+        names = sorted(counts, key=_fork_sort_key)
+        ax.bar(names, [counts[n] for n in names])
+        ax.set_title(label, fontsize="small")
+        ax.set_xlabel("winning fork")
+        ax.set_ylabel("rounds (first repeat)")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle("Fork wins")
+    return _save(fig, out / PLOT_FILES["forks"])
+
+
+def _fork_name(value: Any) -> str:
+    return "none" if value is None else str(value)
+
+
+def _fork_sort_key(name: str) -> tuple[int, float, str]:
+    try:
+        return (0, float(name), name)
+    except ValueError:
+        return (1, 0.0, name)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

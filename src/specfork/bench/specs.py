@@ -1,0 +1,289 @@
+"""Strategy specs of `specfork bench`: one short string per decoding method to compare.
+
+Syntax::
+
+    strategy[:drafter][?key=value&key=value]
+
+- ``strategy`` is ``ar`` (plain decoding) or any specfork strategy (``speculative`` today;
+  ``dspark``, ``spork`` and later ones as they are added to `specfork.config`), or ``hf`` for a
+  Hugging Face transformers baseline.
+- ``drafter`` is everything between the first ``:`` and ``?``: ``ngram``, ``self``,
+  ``model:PATH-or-name``, or a strategy's own drafter names (``recycle+ngram``). It becomes
+  the ``drafter`` field of :class:`specfork.config.SpecConfig`.
+- ``key=value`` options set the :class:`~specfork.config.SpecConfig` field of that name
+  (``-`` may stand for ``_``), converted to the field's type: integers, floats, strings,
+  ``none`` for optional fields, ``true``/``false`` for flags, and comma lists for tuples
+  (``thresholds=0.3,0.6``). New SpecConfig fields work here without any change.
+- ``hf:ar`` is transformers' ``generate``; ``hf:prompt-lookup`` its prompt lookup decoding
+  (options ``k`` = ``prompt_lookup_num_tokens``, default 10, and ``max_ngram`` =
+  ``max_matching_ngram_size``); ``hf:assisted`` assisted generation with a draft model
+  (options ``draft`` = a packaged model name or path, default the first ``model:`` drafter of
+  the run or else the target itself, ``k`` = ``num_assistant_tokens`` and ``schedule`` =
+  ``num_assistant_tokens_schedule``).
+
+Examples: ``ar``, ``speculative:ngram?k=4&k_policy=heuristic``, ``speculative:self?skip_layers=
+10-19&k=3``, ``spork:recycle+ngram?forks=4&depth=6``, ``hf:prompt-lookup?k=10``. A list is
+comma-separated; a comma inside an option value (a tuple) is kept with its option. Each spec's
+display label is the spec string itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from specfork import config as _config
+from specfork.config import SpecConfig
+from specfork.errors import ConfigError
+
+HF_METHODS: dict[str, dict[str, type]] = {
+    "ar": {},
+    "prompt-lookup": {"k": int, "max_ngram": int},
+    "assisted": {"draft": str, "k": int, "schedule": str},
+}
+HF_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_NONE = ("none", "null", "")
+_POSITIONAL = ("strategy", "drafter")  # given by the spec's prefix, not as options
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One parsed strategy spec.
+
+    ``family`` is "specfork" (``spec`` is the SpecConfig to run) or "hf" (``method`` is one of
+    HF_METHODS and ``options`` its converted options).
+    """
+
+    label: str
+    family: str
+    spec: SpecConfig | None = None
+    method: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_plain(self) -> bool:
+        """specfork's own plain decoding: the reference of speedups and greedy matches."""
+        return self.family == "specfork" and self.spec is not None and self.spec.strategy == "ar"
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready description (results.json)."""
+        out: dict[str, Any] = {"label": self.label, "family": self.family}
+        if self.spec is not None:
+            out["config"] = dataclasses.asdict(self.spec)
+        else:
+            out["method"] = self.method
+        out["options"] = dict(self.options)
+        return out
+
+
+def strategy_names() -> tuple[str, ...]:
+    """Every strategy name a spec may start with (read at call time: new ones appear here)."""
+    names = ["ar", *getattr(_config, "STRATEGIES", ("ar",))]
+    return (*dict.fromkeys(names), "hf")
+
+
+def spec_fields() -> dict[str, Any]:
+    """SpecConfig's option fields and their types (resolved annotations)."""
+    try:
+        hints = typing.get_type_hints(SpecConfig)
+    except Exception:  # an annotation that cannot be evaluated: keep it as a string
+        hints = {}
+    return {
+        f.name: hints.get(f.name, f.type)
+        for f in dataclasses.fields(SpecConfig)
+        if f.name not in _POSITIONAL
+    }
+
+
+def valid_options() -> list[str]:
+    """Option keys a specfork strategy spec accepts."""
+    return list(spec_fields())
+
+
+def parse_strategy(text: str) -> StrategySpec:
+    """Parse one spec string (see the module docstring); errors are ConfigError."""
+    label = text.strip()
+    if not label:
+        raise ConfigError("empty strategy spec; see `specfork bench --help` for the syntax")
+    head, _, query = label.partition("?")
+    name, colon, drafter = head.partition(":")
+    name = name.strip()
+    drafter = drafter.strip()
+    names = strategy_names()
+    if name not in names:
+        raise ConfigError(
+            f"strategy spec {label!r}: unknown strategy {name!r}; choose one of {', '.join(names)}"
+        )
+    if colon and not drafter:
+        raise ConfigError(f"strategy spec {label!r}: nothing after ':' (a drafter name)")
+    raw = _split_options(query, label)
+    if name == "hf":
+        return _parse_hf(label, drafter, raw)
+    if name == "ar" and drafter:
+        raise ConfigError(f"strategy spec {label!r}: plain decoding (ar) takes no drafter")
+    fields = spec_fields()
+    options: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise ConfigError(
+                f"strategy spec {label!r}: unknown option {key!r}; valid options: "
+                f"{', '.join(fields)}"
+            )
+        options[key] = convert_value(value, fields[key], key, label)
+    kwargs = {"strategy": name, **({"drafter": drafter} if drafter else {}), **options}
+    try:
+        spec = SpecConfig(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"strategy spec {label!r}: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"strategy spec {label!r}: invalid options ({exc})") from exc
+    return StrategySpec(label, "specfork", spec=spec, options=options)
+
+
+def parse_strategies(texts: str | Iterable[str]) -> list[StrategySpec]:
+    """Parse comma-separated spec lists (one string or several, e.g. a repeated flag)."""
+    items = [texts] if isinstance(texts, str) else list(texts)
+    specs: list[StrategySpec] = []
+    for text in items:
+        specs.extend(parse_strategy(part) for part in split_strategy_list(text))
+    if not specs:
+        raise ConfigError("no strategies given; e.g. --strategies ar,speculative:ngram")
+    seen: set[str] = set()
+    for s in specs:
+        if s.label in seen:
+            raise ConfigError(f"strategy {s.label!r} is listed twice")
+        seen.add(s.label)
+    return specs
+
+
+def split_strategy_list(text: str) -> list[str]:
+    """Split at commas, keeping a comma inside an option value (``?t=0.3,0.6``) with it.
+
+    A piece that does not start with a strategy name continues the previous piece when that
+    piece has options; otherwise it is taken as a spec of its own (and fails as unknown).
+    """
+    names = strategy_names()
+    parts: list[str] = []
+    for piece in text.split(","):
+        start = piece.strip().split("?", 1)[0].split(":", 1)[0].strip()
+        if parts and start not in names and "?" in parts[-1]:
+            parts[-1] += "," + piece
+        else:
+            parts.append(piece)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def ensure_plain(specs: Sequence[StrategySpec]) -> tuple[list[StrategySpec], bool]:
+    """The list with specfork's plain ``ar`` first-class: added at the front when missing."""
+    if any(s.is_plain for s in specs):
+        return list(specs), False
+    return [parse_strategy("ar"), *specs], True
+
+
+def convert_value(value: str, hint: Any, key: str, label: str) -> Any:
+    """`value` converted to the annotated type `hint` of option `key` (ConfigError if not)."""
+    where = f"strategy spec {label!r}: option {key}={value!r}"
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and value.strip().lower() in _NONE:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            return value
+        hint = rest[0]
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if isinstance(hint, str):  # an unresolved annotation
+        return _convert_by_name(value, hint, where)
+    if origin in (tuple, list):
+        element = args[0] if args else str
+        items = [v.strip() for v in value.split(",") if v.strip()]
+        return tuple(convert_value(v, element, key, label) for v in items)
+    return _convert_scalar(value, hint, where)
+
+
+def _convert_scalar(value: str, hint: Any, where: str) -> Any:
+    v = value.strip()
+    if hint is bool:
+        if v.lower() in _TRUE:
+            return True
+        if v.lower() in _FALSE:
+            return False
+        raise ConfigError(f"{where} must be true or false")
+    if hint is int:
+        try:
+            return int(v)
+        except ValueError:
+            raise ConfigError(f"{where} must be an integer") from None
+    if hint is float:
+        try:
+            return float(v)
+        except ValueError:
+            raise ConfigError(f"{where} must be a number") from None
+    return value
+
+
+def _convert_by_name(value: str, hint: str, where: str) -> Any:
+    base = hint.replace(" ", "")
+    optional = base.endswith("|None") or base.startswith("None|") or base.startswith("Optional[")
+    if optional and value.strip().lower() in _NONE:
+        return None
+    for name, typ in (("bool", bool), ("int", int), ("float", float)):
+        if base in (name, f"{name}|None", f"None|{name}", f"Optional[{name}]"):
+            return _convert_scalar(value, typ, where)
+    if base.startswith("tuple[") or base.startswith("list["):
+        inner = base[base.index("[") + 1 :].split(",")[0].rstrip("]")
+        typ = {"int": int, "float": float, "bool": bool}.get(inner, str)
+        return tuple(_convert_scalar(v, typ, where) for v in value.split(",") if v.strip())
+    return value
+
+
+def _split_options(query: str, label: str) -> dict[str, str]:
+    options: dict[str, str] = {}
+    for item in query.split("&"):
+        if not item.strip():
+            continue
+        key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or not key:
+            raise ConfigError(f"strategy spec {label!r}: option {item!r} is not key=value")
+        if key in _POSITIONAL:
+            raise ConfigError(
+                f"strategy spec {label!r}: {key} is given by the spec's prefix "
+                "(strategy[:drafter]), not as an option"
+            )
+        if key in options:
+            raise ConfigError(f"strategy spec {label!r}: option {key!r} is given twice")
+        options[key] = value.strip()
+    return options
+
+
+def _parse_hf(label: str, method: str, raw: dict[str, str]) -> StrategySpec:
+    if method not in HF_METHODS:
+        choices = ", ".join(f"hf:{m}" for m in HF_METHODS)
+        raise ConfigError(f"strategy spec {label!r}: unknown transformers method; use {choices}")
+    allowed = HF_METHODS[method]
+    options: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in allowed:
+            valid = ", ".join(allowed) or "none"
+            raise ConfigError(
+                f"strategy spec {label!r}: unknown option {key!r} for hf:{method}; "
+                f"valid options: {valid}"
+            )
+        options[key] = convert_value(value, allowed[key], key, label)
+    for key in ("k", "max_ngram"):
+        if key in options and options[key] < 1:
+            raise ConfigError(f"strategy spec {label!r}: {key} must be >= 1")
+    if options.get("schedule", "constant") not in HF_SCHEDULES:
+        raise ConfigError(
+            f"strategy spec {label!r}: schedule must be one of {', '.join(HF_SCHEDULES)}"
+        )
+    if "draft" in options and not options["draft"].strip():
+        raise ConfigError(f"strategy spec {label!r}: draft= needs a model name or path")
+    return StrategySpec(label, "hf", method=method, options=options)

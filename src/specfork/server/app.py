@@ -1,0 +1,321 @@
+"""The FastAPI app: OpenAI-compatible completions and chat, models, health and metrics.
+
+Handlers validate a request (`schemas`), tokenize it off the event loop, queue it for the one
+engine worker (`worker`), then answer with the whole completion or stream it as server-sent
+events in OpenAI's chunk format. Every error is answered in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specfork.errors import SpecforkError
+from specfork.server import schemas
+from specfork.server.metrics import CONTENT_TYPE, ServerMetrics
+from specfork.server.schemas import APIError, CompletionRequest, Kind, ResponseMeta
+from specfork.server.worker import Engine, EngineWorker, Event, Job, ServerSettings
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_SECONDS = 0.5
+ENDPOINTS: dict[Kind, str] = {"completion": "completions", "chat": "chat.completions"}
+
+
+def create_app(
+    generator: Engine,
+    *,
+    model_name: str,
+    queue_size: int = 64,
+    plain_above_queue: int | None = None,
+    **settings: Any,
+) -> FastAPI:
+    """An app serving `generator` (a `specfork.engine.Generator`) under `model_name`.
+
+    `settings` are the other `ServerSettings` fields (retry_after, max_strategies,
+    default_max_tokens, max_body_bytes). The engine worker runs between startup and shutdown.
+    """
+    config = ServerSettings(
+        model_name, queue_size=queue_size, plain_above_queue=plain_above_queue, **settings
+    )
+    metrics = ServerMetrics()
+    worker = EngineWorker(generator, metrics, config)
+    handlers = _Handlers(generator, worker, metrics, config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        yield
+        await run_in_threadpool(worker.stop)
+
+    app = FastAPI(title="specfork", version=_version(), lifespan=lifespan)
+    app.state.worker, app.state.metrics = worker, metrics
+    _add_error_handlers(app)
+    app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", handlers.chat, methods=["POST"])
+    app.add_api_route("/v1/models", handlers.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", handlers.model, methods=["GET"])
+    app.add_api_route("/health", handlers.health, methods=["GET"])
+    app.add_api_route("/metrics", handlers.metrics, methods=["GET"])
+    return app
+
+
+def _version() -> str:
+    from specfork import __version__
+
+    return __version__
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    headers = {"Retry-After": str(exc.retry_after)} if exc.status == 429 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return error_response(exc)
+
+    async def validation(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(APIError(f"invalid request: {exc}"))
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(APIError(str(exc.detail), status=exc.status_code))
+
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        log.error("unexpected error while handling a request", exc_info=exc)
+        return error_response(APIError("internal server error", status=500))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal)
+
+
+class _Handlers:
+    """The routes, bound to one engine worker."""
+
+    def __init__(
+        self, engine: Engine, worker: EngineWorker, metrics: ServerMetrics, config: ServerSettings
+    ) -> None:
+        self.engine = engine
+        self.worker = worker
+        self.metrics_ = metrics
+        self.config = config
+        self.ctx = schemas.ParseContext(
+            config.model_name, engine.context, engine.default_spec, config.default_max_tokens
+        )
+        self.created = int(time.time())
+
+    # -- simple routes --------------------------------------------------------------------------
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        if model_id != self.config.model_name:
+            raise APIError(
+                f"the model {model_id!r} does not exist",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        return self._model_card()
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "specfork",
+            "max_model_len": self.engine.context,
+        }
+
+    async def health(self) -> JSONResponse:
+        ok = self.worker.alive
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "model": self.config.model_name,
+            "queue_depth": self.worker.depth,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics(self) -> Response:
+        return Response(self.metrics_.render(), media_type=CONTENT_TYPE)
+
+    # -- completions ----------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, "completion")
+
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, "chat")
+
+    async def _complete(self, request: Request, kind: Kind) -> Response:
+        endpoint = ENDPOINTS[kind]
+        try:
+            req = schemas.parse_request(await self._body(request), kind, self.ctx)
+            ids = await run_in_threadpool(self._encode, req)
+            job = Job(
+                ids,
+                req.config,
+                req.sampling,
+                req.spec,
+                deltas=req.stream,
+                prompt_param="prompt" if kind == "completion" else "messages",
+            )
+            self.worker.submit(job)
+            first = await self._wait(job, request)
+            if first is not None and first.kind == "start" and not req.stream:
+                first = await self._wait(job, request)
+        except APIError as exc:
+            self.metrics_.count_request(endpoint, exc.status)
+            return error_response(exc)
+        if first is None:  # the client went away
+            self.metrics_.count_request(endpoint, 499)
+            return Response(status_code=499)
+        if first.kind == "error":
+            assert first.error is not None
+            self.metrics_.count_request(endpoint, first.error.status)
+            return error_response(first.error)
+        meta = ResponseMeta.new(kind, self.config.model_name)
+        if req.stream:
+            return _EventStream(
+                job, req, meta, lambda status: self.metrics_.count_request(endpoint, status)
+            )
+        self.metrics_.count_request(endpoint, 200)
+        return JSONResponse(_whole_body(meta, first))
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(f"the request body is over {limit} bytes", status=413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _encode(self, req: CompletionRequest) -> list[int]:
+        """Prompt token ids, checked against the context (runs in a thread-pool thread)."""
+        param = "prompt" if req.kind == "completion" else "messages"
+        prompt = req.prompt
+        try:
+            if isinstance(prompt, list) and isinstance(prompt[0], int):
+                ids = list(prompt)  # type: ignore[arg-type]
+            else:
+                ids = self.engine.encode_prompt(prompt, chat=req.kind == "chat")
+        except SpecforkError as exc:
+            raise APIError(str(exc), param=param) from exc
+        context = self.engine.context
+        if len(ids) >= context:
+            raise APIError(
+                f"the prompt has {len(ids)} tokens but the context holds {context}; shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
+        wanted = req.config.max_new_tokens
+        if req.max_tokens_given and len(ids) + wanted > context:
+            raise APIError(
+                f"the context holds {context} tokens; the prompt has {len(ids)} and "
+                f"max_tokens asks for {wanted} more",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return ids
+
+    @staticmethod
+    async def _wait(job: Job, request: Request) -> Event | None:
+        """The job's next event; None (and the job cancelled) if the client disconnects."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.next_event(), DISCONNECT_POLL_SECONDS)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    return None
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events of one job; however the stream ends (finished, failed, client gone,
+    never started), the job is cancelled and the request counted with its final status."""
+
+    def __init__(
+        self, job: Job, req: CompletionRequest, meta: ResponseMeta, count: Callable[[int], None]
+    ) -> None:
+        self.job, self.req, self.meta, self.count = job, req, meta, count
+        self.final_status = 499  # until the stream ends normally: the client went away
+        super().__init__(
+            self._events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()  # stops the generation at its next round (no-op once it is done)
+            self.count(self.final_status)
+
+    async def _events(self) -> AsyncIterator[str]:
+        """Role (chat), text deltas, the finish chunk, usage, [DONE]."""
+        kind, head = self.req.kind, self.meta.head(True)
+        if kind == "chat":
+            delta = {"role": "assistant", "content": ""}
+            first = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            yield _data({**head, "choices": [first]})
+        while True:
+            event = await self.job.next_event()
+            if event.kind == "delta":
+                yield _data({**head, "choices": [schemas.choice(kind, event.text, None, True)]})
+            elif event.kind == "error":
+                assert event.error is not None
+                yield _data(event.error.body())
+                yield "data: [DONE]\n\n"
+                self.final_status = event.error.status
+                return
+            elif event.kind == "done":
+                for chunk in _final_chunks(self.meta, event, self.req.include_usage):
+                    yield _data(chunk)
+                yield "data: [DONE]\n\n"
+                self.final_status = 200
+                return
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _whole_body(meta: ResponseMeta, done: Event) -> dict[str, Any]:
+    result = done.result
+    assert result is not None and done.spec is not None
+    return {
+        **meta.head(False),
+        "choices": [schemas.choice(meta.kind, result.text, result.finish_reason, chunk=False)],
+        "usage": schemas.usage(len(result.prompt_ids), len(result.token_ids)),
+        "speculative": schemas.speculative_stats(done.spec, result.stats, done.plain_under_load),
+    }
+
+
+def _final_chunks(meta: ResponseMeta, done: Event, include_usage: bool) -> list[dict[str, Any]]:
+    """The chunk with the finish reason (and the request's speculative stats), then usage."""
+    result = done.result
+    assert result is not None and done.spec is not None
+    last = {
+        **meta.head(True),
+        "choices": [schemas.choice(meta.kind, "", result.finish_reason, chunk=True)],
+        "speculative": schemas.speculative_stats(done.spec, result.stats, done.plain_under_load),
+    }
+    if not include_usage:
+        return [last]
+    tokens = schemas.usage(len(result.prompt_ids), len(result.token_ids))
+    return [last, {**meta.head(True), "choices": [], "usage": tokens}]

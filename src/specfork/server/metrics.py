@@ -1,0 +1,108 @@
+"""Prometheus metrics of one server (its own registry: two apps in a process never collide)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from specfork.metrics import GenerationStats
+
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """Counters, gauges and histograms of a server; safe to update from any thread."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "specfork_requests",
+            "Completion requests by endpoint and HTTP status (499: the client went away)",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.cancelled = Counter(
+            "specfork_generations_cancelled",
+            "Generations stopped before their end because the client went away",
+            registry=r,
+        )
+        self.prompt_tokens = Counter("specfork_prompt_tokens", "Prompt tokens", registry=r)
+        self.completion_tokens = Counter(
+            "specfork_completion_tokens", "Generated tokens", registry=r
+        )
+        self.drafted = Counter("specfork_drafted_tokens", "Tokens proposed by drafters", registry=r)
+        self.accepted = Counter(
+            "specfork_accepted_tokens", "Drafted tokens the target accepted", registry=r
+        )
+        self.forwards = Counter(
+            "specfork_target_forwards", "Target forwards after prefill", registry=r
+        )
+        self.mean_accepted = Gauge(
+            "specfork_mean_accepted_length",
+            "Tokens emitted per target forward over all requests (1 = plain decoding)",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "specfork_time_to_first_token_seconds",
+            "Arrival to first token (queue included)",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "specfork_request_latency_seconds",
+            "Arrival to last token (queue included)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge("specfork_queue_depth", "Requests waiting", registry=r)
+        self.speculation = Gauge(
+            "specfork_speculation_enabled",
+            "1 while new requests get the server's speculative strategy; 0 when it is plain "
+            "decoding or load shedding forces plain decoding",
+            registry=r,
+        )
+        self._lock = threading.Lock()
+        self._decoded = 0
+        self._forwards = 0
+        self.mean_accepted.set_function(self._mean_accepted_length)
+
+    def track_queue(self, depth: Callable[[], int]) -> None:
+        """Read the queue depth at scrape time."""
+        self.queue_depth.set_function(depth)
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def observe_generation(
+        self, stats: GenerationStats, completion_tokens: int, ttft: float, latency: float
+    ) -> None:
+        """Record one finished generation."""
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.completion_tokens.inc(completion_tokens)
+        self.drafted.inc(stats.drafted)
+        self.accepted.inc(stats.accepted)
+        self.forwards.inc(stats.target_forwards)
+        self.ttft.observe(ttft)
+        self.latency.observe(latency)
+        with self._lock:
+            self._decoded += max(stats.new_tokens - 1, 0)
+            self._forwards += stats.target_forwards
+
+    def _mean_accepted_length(self) -> float:
+        with self._lock:
+            return self._decoded / self._forwards if self._forwards else 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,414 @@
+"""OpenAI request bodies → specfork configs, and specfork results → OpenAI response bodies.
+
+Parsing is done by hand (not by pydantic models) so that every mistake becomes one HTTP 400 in
+OpenAI's error shape naming the offending field. The configs validate themselves
+(`SamplingParams`, `GenerationConfig`, `SpecConfig`); their `ConfigError` messages are passed on
+as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.errors import ConfigError
+from specfork.metrics import GenerationStats
+
+Kind = Literal["completion", "chat"]
+Prompt = str | list[int] | list[dict[str, str]]
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+SPEC_KEYS = tuple(f.name for f in dataclasses.fields(SpecConfig))
+MAX_STOP_STRINGS = 16
+MAX_SPEC_INT = 64  # largest k / n-gram size a request may ask for
+LAYERS = re.compile(r"\s*\d{1,4}(\s*-\s*\d{1,4})?(\s*,\s*\d{1,4}(\s*-\s*\d{1,4})?)*\s*")
+# fmt: off
+COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+    "stream_options", "n", "user", "speculative", "ignore_eos",
+})
+# fmt: on
+KIND_FIELDS = {"completion": {"prompt"}, "chat": {"messages", "max_completion_tokens"}}
+# Accepted OpenAI fields whose features specfork lacks: allowed only at their neutral values.
+NEUTRAL = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},),
+    "store": (False,),
+    "metadata": (),
+    "service_tier": (),
+}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        retry_after: int = 1,
+    ) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after  # seconds, sent as Retry-After with HTTP 429
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type or _error_type(status)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def _error_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_exceeded"
+    if status >= 500:
+        return "server_error"
+    return "not_found_error" if status == 404 else "invalid_request_error"
+
+
+@dataclass(frozen=True, slots=True)
+class ParseContext:
+    """What request validation needs to know about the server."""
+
+    model_name: str
+    context: int  # tokens the model's context holds (prompt + completion)
+    default_spec: SpecConfig
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """One validated request, ready for the engine."""
+
+    kind: Kind
+    prompt: Prompt
+    config: GenerationConfig
+    sampling: SamplingParams
+    spec: SpecConfig | None  # None: the server's strategy
+    stream: bool
+    include_usage: bool
+    max_tokens_given: bool
+
+
+def parse_request(body: bytes, kind: Kind, ctx: ParseContext) -> CompletionRequest:
+    """Validate a JSON body; raises APIError (HTTP 400) naming the offending field."""
+    obj = _load_object(body)
+    _check_fields(obj, kind)
+    _check_model(obj.get("model"), ctx.model_name)
+    _check_n(obj.get("n"))
+    prompt = _prompt(obj) if kind == "completion" else _messages(obj.get("messages"))
+    max_tokens = _max_tokens(obj, ctx.context)
+    stream = _bool(obj, "stream")
+    return CompletionRequest(
+        kind=kind,
+        prompt=prompt,
+        config=_generation(obj, max_tokens or ctx.default_max_tokens),
+        sampling=_sampling(obj),
+        spec=_speculative(obj.get("speculative"), ctx.default_spec),
+        stream=stream,
+        include_usage=stream and _include_usage(obj.get("stream_options")),
+        max_tokens_given=max_tokens is not None,
+    )
+
+
+def _load_object(body: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise APIError(f"the request body is not valid JSON ({exc})", code="invalid_json") from exc
+    if not isinstance(obj, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_json")
+    return {k: v for k, v in obj.items() if v is not None}  # null means "not given"
+
+
+def _check_fields(obj: dict[str, Any], kind: Kind) -> None:
+    known = COMMON_FIELDS | KIND_FIELDS[kind]
+    for name, value in obj.items():
+        if name in known:
+            continue
+        if name not in NEUTRAL:
+            raise APIError(
+                f"unrecognized request argument {name!r}", param=name, code="unknown_parameter"
+            )
+        allowed = NEUTRAL[name]
+        if allowed and value not in allowed:
+            raise APIError(
+                f"{name} is not supported by this server; leave it out or give {allowed[0]!r}",
+                param=name,
+                code="unsupported_parameter",
+            )
+
+
+def _check_model(model: Any, served: str) -> None:
+    if model is not None and model != served:
+        raise APIError(
+            f"the model {model!r} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_n(n: Any) -> None:
+    if n is None or (isinstance(n, int) and not isinstance(n, bool) and n == 1):
+        return
+    raise APIError(f"n must be 1 (one choice per request), got {n!r}", param="n")
+
+
+def _prompt(obj: dict[str, Any]) -> str | list[int]:
+    prompt = obj.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise APIError("the prompt is empty; give some text to continue", param="prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise APIError("one prompt per request; send the prompts separately", param="prompt")
+    raise APIError("prompt is required: a non-empty string or a list of token ids", param="prompt")
+
+
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise APIError("messages is required: a non-empty list of messages", param="messages")
+    parsed = [_message(m, i) for i, m in enumerate(messages)]
+    if not any(m["content"].strip() for m in parsed):
+        raise APIError("every message is empty; give some text", param="messages")
+    return parsed
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise APIError(f"{param} must be an object with role and content", param=param)
+    role = m.get("role")
+    if role not in ROLES:
+        raise APIError(
+            f"{param}.role {role!r} is not supported; use one of {', '.join(ROLES)}",
+            param=f"{param}.role",
+        )
+    return {"role": ROLES[role], "content": _content(m.get("content"), f"{param}.content")}
+
+
+def _content(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise APIError(f"{param} must be a string or a list of text parts", param=param)
+
+
+def _max_tokens(obj: dict[str, Any], context: int) -> int | None:
+    name = "max_completion_tokens" if "max_completion_tokens" in obj else "max_tokens"
+    n = obj.get(name)
+    if n is None:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise APIError(f"{name} must be an integer >= 1, got {n!r}", param=name)
+    if n >= context:
+        raise APIError(
+            f"{name}={n} is beyond the context of {context} tokens (prompt included)",
+            param=name,
+            code="context_length_exceeded",
+        )
+    return n
+
+
+def _bool(obj: dict[str, Any], name: str) -> bool:
+    value = obj.get(name, False)
+    if not isinstance(value, bool):
+        raise APIError(f"{name} must be true or false, got {value!r}", param=name)
+    return value
+
+
+def _include_usage(options: Any) -> bool:
+    if options is None:
+        return False
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise APIError('stream_options must be {"include_usage": bool}', param="stream_options")
+    return options.get("include_usage", False)
+
+
+def _generation(obj: dict[str, Any], max_tokens: int) -> GenerationConfig:
+    stop = obj.get("stop", [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS:
+        raise APIError(
+            f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop"
+        )
+    try:
+        return GenerationConfig(
+            max_new_tokens=max_tokens, stop=tuple(stop), ignore_eos=_bool(obj, "ignore_eos")
+        )
+    except ConfigError as exc:
+        raise APIError(str(exc), param="stop") from exc
+
+
+def _sampling(obj: dict[str, Any]) -> SamplingParams:
+    names = ("temperature", "top_k", "top_p", "min_p", "seed")
+    given = {n: obj[n] for n in names if n in obj}
+    given.setdefault("temperature", 1.0)  # OpenAI's default; 0 is greedy
+    try:
+        return SamplingParams(**given)
+    except ConfigError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise APIError(str(exc), param=field if field in names else None) from exc
+
+
+def _speculative(obj: Any, default: SpecConfig) -> SpecConfig | None:
+    """The request's strategy: the server's, with the keys of `obj` replaced."""
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        raise APIError("speculative must be an object of strategy settings", param="speculative")
+    unknown = sorted(set(obj) - set(SPEC_KEYS))
+    if unknown:
+        raise APIError(
+            f"unknown key(s) in speculative: {', '.join(unknown)}; "
+            f"valid keys: {', '.join(SPEC_KEYS)}",
+            param="speculative",
+        )
+    _check_spec_values(obj, default)
+    changes = dict(obj)
+    if "drafter" not in obj and obj.get("strategy", default.strategy) != default.strategy:
+        changes["drafter"] = None  # the new strategy's default drafter (recycle for spork)
+    try:
+        spec = dataclasses.replace(default, **changes)
+    except ConfigError as exc:
+        raise APIError(str(exc), param="speculative") from exc
+    return SpecConfig() if spec.strategy == "ar" else spec
+
+
+def _check_spec_values(obj: dict[str, Any], default: SpecConfig) -> None:
+    """What a remote client may not ask for: new draft models, huge layer lists or drafts."""
+    drafter = obj.get("drafter")
+    allowed = set(default.drafter.split("+"))
+    if isinstance(drafter, str) and any(
+        part.startswith("model:") and part not in allowed for part in drafter.split("+")
+    ):
+        raise APIError(
+            "a request cannot load a draft model; use drafter ngram or self, or start the "
+            "server with --drafter model:PATH",
+            param="speculative.drafter",
+        )
+    for name in ("self_layers", "skip_layers"):
+        value = obj.get(name)
+        if value is not None and not (isinstance(value, str) and LAYERS.fullmatch(value)):
+            raise APIError(
+                f'speculative.{name} must be a layer list such as "0-11" or "0,2,4-7"',
+                param=f"speculative.{name}",
+            )
+    for name in ("k", "max_ngram", "min_ngram", "min_k", "max_k", "forks", "depth", "budget"):
+        value = obj.get(name)
+        if isinstance(value, int) and value > MAX_SPEC_INT:
+            raise APIError(
+                f"speculative.{name} must be at most {MAX_SPEC_INT}, got {value}",
+                param=f"speculative.{name}",
+            )
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseMeta:
+    """The fields every response and chunk of one request share."""
+
+    kind: Kind
+    model: str
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, kind: Kind, model: str) -> ResponseMeta:
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return cls(kind, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+
+    def head(self, chunk: bool) -> dict[str, Any]:
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        if chunk and self.kind == "chat":
+            obj += ".chunk"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def speculative_stats(spec: SpecConfig, stats: GenerationStats, plain_under_load: bool) -> dict:
+    """The request's decoding figures (the `speculative` object of a response)."""
+    speculating = spec.strategy != "ar"
+    return {
+        "strategy": spec.strategy,
+        "drafter": spec.drafter if speculating else None,
+        "k": spec.k if speculating else 0,
+        "plain_under_load": plain_under_load,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "target_forwards": stats.target_forwards,
+        "draft_forwards": stats.draft_forwards,
+        "time_to_first_token": stats.time_to_first_token,
+        "decode_tokens_per_second": _finite(stats.decode_tokens_per_second),
+    }
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
+
+
+def choice(kind: Kind, text: str, finish_reason: str | None, chunk: bool) -> dict[str, Any]:
+    """One element of `choices`: a whole answer, or a streamed delta when `chunk`."""
+    out: dict[str, Any] = {"index": 0}
+    if kind == "completion":
+        out.update(text=text, logprobs=None)
+    elif chunk:
+        out.update(delta={"content": text} if text else {}, logprobs=None)
+    else:
+        out.update(message={"role": "assistant", "content": text}, logprobs=None)
+    out["finish_reason"] = finish_reason
+    return out

@@ -1,0 +1,266 @@
+"""The one thread that owns the Generator, fed by a bounded queue of jobs.
+
+The Generator is not thread-safe, so exactly one worker thread runs it; HTTP handlers put jobs in
+a bounded queue (full: HTTP 429) and read the job's events (start, text deltas, done or error)
+from an asyncio queue the worker fills through the event loop. A cancelled job (its client went
+away) is skipped if it is still waiting, or stopped at the next decoding round if it is running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.errors import PromptError, SpecforkError
+from specfork.server.metrics import ServerMetrics
+from specfork.server.schemas import APIError
+
+if TYPE_CHECKING:
+    from specfork.engine import GenerationResult
+
+log = logging.getLogger(__name__)
+
+PLAIN = SpecConfig()
+
+
+class Engine(Protocol):
+    """What the worker needs of a `specfork.engine.Generator`."""
+
+    default_spec: SpecConfig
+    context: int
+
+    def encode_prompt(self, prompt: object, chat: bool | None = None) -> list[int]: ...
+
+    def stream(
+        self,
+        prompt: list[int],
+        *,
+        config: GenerationConfig,
+        sampling: SamplingParams,
+        spec: SpecConfig | None,
+    ) -> Iterable[str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """How the server queues and schedules requests (validated on construction)."""
+
+    model_name: str
+    queue_size: int = 64  # requests that may wait; one more is running
+    plain_above_queue: int | None = None  # waiting requests above which decoding goes plain
+    retry_after: int = 1  # seconds, sent with HTTP 429
+    max_strategies: int = 16  # distinct strategies kept built (each may hold a drafter)
+    default_max_tokens: int = 256
+    max_body_bytes: int = 8 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise SpecforkError("the served model name must be a non-empty string")
+        for name in (
+            "queue_size",
+            "retry_after",
+            "max_strategies",
+            "default_max_tokens",
+            "max_body_bytes",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecforkError(f"{name} must be an integer >= 1, got {value!r}")
+        n = self.plain_above_queue
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise SpecforkError(f"plain_above_queue must be an integer >= 0, got {n!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """What a job reports: "start", "delta" (text), "done" (result) or "error"."""
+
+    kind: Literal["start", "delta", "done", "error"]
+    text: str = ""
+    result: GenerationResult | None = None
+    spec: SpecConfig | None = None
+    plain_under_load: bool = False
+    error: APIError | None = None
+
+
+class Job:
+    """One request for the worker; events go to the event loop that created it."""
+
+    def __init__(
+        self,
+        ids: list[int],
+        config: GenerationConfig,
+        sampling: SamplingParams,
+        spec: SpecConfig | None,
+        *,
+        deltas: bool,
+        prompt_param: str = "prompt",
+    ) -> None:
+        self.ids = ids
+        self.config = config
+        self.sampling = sampling
+        self.spec = spec
+        self.deltas = deltas  # send text deltas (streaming) or only the final result
+        self.prompt_param = prompt_param
+        self.created = time.perf_counter()
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._cancelled = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def emit(self, event: Event) -> None:
+        """Hand an event to the job's event loop (from any thread)."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancel()
+
+    async def next_event(self) -> Event:
+        return await self._events.get()
+
+
+class EngineWorker:
+    """Owns the engine; runs queued jobs one at a time in its own thread."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.settings = settings
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=settings.queue_size)
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._current: Job | None = None
+        self._specs = {engine.default_spec, PLAIN}
+        self._thread = threading.Thread(target=self._run, name="specfork-engine", daemon=True)
+        metrics.track_queue(lambda: self.depth)
+        metrics.speculation.set(int(engine.default_spec.strategy != "ar"))
+
+    @property
+    def depth(self) -> int:
+        """Jobs waiting (the running one excluded)."""
+        return self._queue.qsize()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new jobs, fail the waiting ones, stop the running one, end the thread."""
+        with self._lock:
+            self._stopping = True
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.emit(Event("error", error=APIError("the server is shutting down", status=503)))
+        if self._current is not None:
+            self._current.cancel()
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; APIError 429 when the queue is full (503 when shutting down)."""
+        with self._lock:
+            if self._stopping:
+                raise APIError("the server is shutting down", status=503)
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                raise APIError(
+                    f"the server is busy ({self.settings.queue_size} requests waiting); "
+                    f"retry in {self.settings.retry_after} s",
+                    status=429,
+                    code="queue_full",
+                    retry_after=self.settings.retry_after,
+                ) from None
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            self._current = job
+            try:
+                self._serve(job)
+            except Exception:  # never let one request end the worker
+                log.exception("unexpected error while serving a request")
+                job.emit(Event("error", error=APIError("internal server error", status=500)))
+            finally:
+                self._current = None
+
+    def _choose_spec(self, requested: SpecConfig | None) -> tuple[SpecConfig, bool]:
+        """The strategy a job runs with, and whether load shedding made it plain."""
+        spec = requested or self.engine.default_spec
+        limit = self.settings.plain_above_queue
+        shed = limit is not None and self.depth > limit
+        self.metrics.speculation.set(int(not shed and self.engine.default_spec.strategy != "ar"))
+        if shed and spec.strategy != "ar":
+            return PLAIN, True
+        return spec, False
+
+    def _serve(self, job: Job) -> None:
+        if job.cancelled:  # its client left while it waited
+            self.metrics.cancelled.inc()
+            return
+        started = time.perf_counter()
+        spec, plain = self._choose_spec(job.spec)
+        try:
+            self._check_known(spec)
+            stream = self.engine.stream(
+                job.ids, config=job.config, sampling=job.sampling, spec=spec
+            )
+        except SpecforkError as exc:
+            param = job.prompt_param if isinstance(exc, PromptError) else None
+            job.emit(Event("error", error=APIError(str(exc), param=param)))
+            return
+        self._specs.add(spec)
+        job.emit(Event("start", spec=spec, plain_under_load=plain))
+        result = self._drain(job, stream)
+        if result is None:
+            if not job.cancelled:
+                raise RuntimeError("the generation ended without a result")
+            self.metrics.cancelled.inc()
+            return
+        ttft = started - job.created + result.stats.time_to_first_token
+        latency = time.perf_counter() - job.created
+        self.metrics.observe_generation(result.stats, len(result.token_ids), ttft, latency)
+        job.emit(Event("done", result=result, spec=spec, plain_under_load=plain))
+
+    def _check_known(self, spec: SpecConfig) -> None:
+        if spec not in self._specs and len(self._specs) >= self.settings.max_strategies:
+            raise SpecforkError(
+                f"this server keeps at most {self.settings.max_strategies} distinct strategies "
+                "built; use one of the speculative settings already in use"
+            )
+
+    @staticmethod
+    def _drain(job: Job, stream: Iterable[str]) -> GenerationResult | None:
+        """Run the generation; None when the job was cancelled before its end."""
+        deltas = iter(stream)
+        try:
+            for text in deltas:
+                if job.cancelled:
+                    return None  # no further round runs: the generator is not resumed
+                if job.deltas:
+                    job.emit(Event("delta", text=text))
+        finally:
+            close = getattr(deltas, "close", None)
+            if close is not None:
+                close()
+        return getattr(stream, "result", None)

@@ -1,0 +1,259 @@
+"""Draft trees as plain data: shapes → attention mask, positions, paths. No model calls.
+
+A tree hangs below a *root*: the last committed token, already chosen but not yet in the
+target's KV cache. The root is not a node; nodes are drafted tokens, stored in topological order
+(a parent precedes its children) as two [N] int64 tensors, `tokens` and `parents` (-1 = the
+root). Children of one parent are ordered by node index, which is the order verification tries
+them in.
+
+One target forward verifies the whole tree. Its input is [root, node_0, ..., node_{N-1}]: row
+0 is the root, row i + 1 is node i, and the same indexing is used for the attention mask, the
+positions and the target's logits (row r predicts the token after row r's token). After
+verification the accepted path is compacted in the KV cache with `KVCache.keep(
+cache_indices(path, start), start)`, where `start` is the cache slot the root was written to.
+
+Medusa (`medusa/model/utils.py`) is the model for this file: small pure functions that turn a
+tree description into what a forward pass needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specfork.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Tree:
+    """Drafted tokens and their parent links, validated on construction.
+
+    `parents[i]` is -1 for a child of the root, else the index of an earlier node. Anything
+    `torch.as_tensor` accepts (lists, tensors) is converted to int64 tensors.
+    """
+
+    tokens: torch.Tensor  # [N] int64
+    parents: torch.Tensor  # [N] int64, -1 = the root
+
+    def __post_init__(self) -> None:
+        tokens = torch.as_tensor(self.tokens)
+        parents = torch.as_tensor(self.parents)
+        for name, t in (("tokens", tokens), ("parents", parents)):
+            if t.dim() != 1:
+                raise ConfigError(f"tree {name} must be 1-D, got shape {tuple(t.shape)}")
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise ConfigError(f"tree {name} must be integers, got {t.dtype}")
+        if tokens.shape != parents.shape:
+            raise ConfigError(
+                f"tree tokens and parents must have the same length, got {tokens.shape[0]} "
+                f"tokens and {parents.shape[0]} parents"
+            )
+        tokens, parents = tokens.long(), parents.long()
+        if tokens.numel() and int(tokens.min()) < 0:
+            raise ConfigError(f"tree tokens must be non-negative ids, got {tokens.tolist()}")
+        links = parents.tolist()  # plain Python: trees are small, tensor ops cost more here
+        bad = next((i for i, parent in enumerate(links) if not -1 <= parent < i), None)
+        if bad is not None:
+            raise ConfigError(
+                f"tree node {bad} has parent {links[bad]}: a parent must be -1 (the root) or "
+                f"an earlier node (topological order), parents = {links}"
+            )
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "parents", parents)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Tree):
+            return NotImplemented
+        return torch.equal(self.tokens, other.tokens) and torch.equal(self.parents, other.parents)
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.tokens.tolist()), tuple(self.parents.tolist())))
+
+
+def chain(tokens: Sequence[int] | torch.Tensor) -> Tree:
+    """A tree with no branching: token i is the child of token i - 1 (a plain draft)."""
+    tokens = torch.as_tensor(tokens, dtype=torch.long)  # [K]
+    return Tree(tokens, torch.arange(tokens.shape[0], device=tokens.device) - 1)
+
+
+class TreeBuilder:
+    """Grow a tree node by node; identical (parent, token) pairs can be merged (a trie).
+
+    The same token twice under the same parent wastes verification when proposals are
+    deterministic (the second copy is rejected for sure). Do NOT merge tokens that were drawn
+    i.i.d. from q: lossless verification counts every draw (see `verify_tree`).
+    """
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self._index: dict[tuple[int, int], int] = {}  # (parent, token) -> first such node
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, merge: bool = True) -> int:
+        """Index of a node `token` under `parent` (-1 = root): the existing one if `merge`."""
+        if not -1 <= parent < len(self.tokens):
+            raise ConfigError(f"parent {parent} is not -1 or an existing node (0..{len(self) - 1})")
+        key = (int(parent), int(token))
+        if merge and key in self._index:
+            return self._index[key]
+        self.tokens.append(key[1])
+        self.parents.append(key[0])
+        self._index.setdefault(key, len(self.tokens) - 1)
+        return len(self.tokens) - 1
+
+    def add_path(self, tokens: Sequence[int], parent: int = -1, merge: bool = True) -> list[int]:
+        """Add tokens as a chain below `parent`; returns the node index of each token."""
+        out = []
+        for token in tokens:
+            parent = self.add(parent, int(token), merge)
+            out.append(parent)
+        return out
+
+    def build(self) -> Tree:
+        """The tree grown so far."""
+        return Tree(
+            torch.tensor(self.tokens, dtype=torch.long),
+            torch.tensor(self.parents, dtype=torch.long),
+        )
+
+
+def from_forks(
+    first_tokens: Sequence[int] | torch.Tensor,
+    continuations: Sequence[Sequence[int] | torch.Tensor],
+    merge_prefixes: bool = False,
+) -> Tree:
+    """K forks below the root: fork k is first_tokens[k] followed by continuations[k].
+
+    Forks are laid out one after the other (fork 0's nodes first). Forks that share a prefix
+    are kept apart unless `merge_prefixes`, which builds a trie (right for deterministic
+    proposals, wrong for i.i.d. sampled ones).
+    """
+    first = torch.as_tensor(first_tokens).tolist()
+    if len(first) != len(continuations):
+        raise ConfigError(
+            f"from_forks needs one continuation per first token, got {len(first)} first tokens "
+            f"and {len(continuations)} continuations"
+        )
+    builder = TreeBuilder()
+    for token, rest in zip(first, continuations, strict=True):
+        rest = torch.as_tensor(rest, dtype=torch.long).tolist()
+        builder.add_path([token, *rest], -1, merge_prefixes)
+    return builder.build()
+
+
+def depths(tree: Tree) -> torch.Tensor:
+    """Depth of every node [N] int64: 1 for the root's children (the root has depth 0)."""
+    out: list[int] = []
+    for parent in tree.parents.tolist():
+        out.append(1 if parent < 0 else out[parent] + 1)
+    return torch.tensor(out, dtype=torch.long, device=tree.parents.device)  # [N]
+
+
+def _parent_rows(tree: Tree) -> torch.Tensor:
+    """Row of each row's parent in the verification input [N + 1]; the root is its own parent."""
+    zero = torch.zeros(1, dtype=torch.long, device=tree.parents.device)
+    return torch.cat([zero, tree.parents + 1])  # [N + 1]
+
+
+def tree_mask(tree: Tree) -> torch.Tensor:
+    """Attention mask [N + 1, N + 1] bool over the input [root, node_0, ..., node_{N-1}].
+
+    Row i may attend to column j iff j is i or an ancestor of i (the root, row/column 0, is an
+    ancestor of every node). Committed tokens in the cache are visible to every row; that part
+    is the model's business.
+    """
+    up = _parent_rows(tree)  # [N + 1]
+    rows = torch.arange(up.shape[0], device=up.device)  # [N + 1]
+    mask = torch.zeros(up.shape[0], up.shape[0], dtype=torch.bool, device=up.device)
+    cur = rows.clone()  # [N + 1] each row's ancestor at the current number of steps up
+    mask[rows, cur] = True
+    while bool((cur != 0).any()):  # one iteration per level of the tree
+        cur = up[cur]
+        mask[rows, cur] = True
+    return mask  # [N + 1, N + 1]
+
+
+def tree_positions(tree: Tree, start: int) -> torch.Tensor:
+    """RoPE positions [N + 1] int64 of [root, nodes]: root at `start`, a node at start + depth."""
+    zero = torch.zeros(1, dtype=torch.long, device=tree.parents.device)
+    return start + torch.cat([zero, depths(tree)])  # [N + 1]
+
+
+def children(tree: Tree) -> list[list[int]]:
+    """Children of every row, N + 1 lists: [0] the root's, [i + 1] node i's, by node index."""
+    out: list[list[int]] = [[] for _ in range(len(tree) + 1)]
+    for i, parent in enumerate(tree.parents.tolist()):
+        out[parent + 1].append(i)
+    return out
+
+
+def paths(tree: Tree) -> list[list[int]]:
+    """Every root-to-leaf path as node indices, in depth-first order (children by index).
+
+    The empty tree has one path, the empty one (the root is its only leaf).
+    """
+    kids = children(tree)
+    out: list[list[int]] = []
+    stack: list[list[int]] = [[]]
+    while stack:
+        path = stack.pop()
+        below = kids[path[-1] + 1 if path else 0]
+        if not below:
+            out.append(path)
+        stack.extend([*path, c] for c in reversed(below))  # first child on top
+    return out
+
+
+def path_to(tree: Tree, node: int) -> list[int]:
+    """Node indices from the root's child down to `node` (-1, the root, gives [])."""
+    parents = tree.parents.tolist()
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+def prune(tree: Tree, keep_mask: torch.Tensor) -> tuple[Tree, torch.Tensor]:
+    """Keep the nodes of keep_mask [N] bool whose ancestors are all kept too.
+
+    Returns the smaller tree (order preserved) and index_map [N] int64: the new index of each
+    old node, -1 where it was dropped. Per-node rows follow with `q[index_map >= 0]` (q [N, V]);
+    rows indexed like the verification input [N + 1, ...] with
+    `x[torch.cat([torch.tensor([True]), index_map >= 0])]` (the root row is always kept).
+    """
+    keep = torch.as_tensor(keep_mask, dtype=torch.bool).tolist()
+    if len(keep) != len(tree):
+        raise ConfigError(f"keep_mask has {len(keep)} entries for a tree of {len(tree)} nodes")
+    parents = tree.parents.tolist()
+    index_map = [-1] * len(tree)
+    new_parents = []
+    for i, parent in enumerate(parents):
+        if keep[i] and (parent < 0 or index_map[parent] >= 0):
+            index_map[i] = len(new_parents)
+            new_parents.append(-1 if parent < 0 else index_map[parent])
+    old_to_new = torch.tensor(index_map, dtype=torch.long, device=tree.parents.device)  # [N]
+    kept = old_to_new >= 0
+    new_parents_t = torch.tensor(new_parents, dtype=torch.long, device=tree.parents.device)
+    pruned = Tree(tree.tokens[kept], new_parents_t)
+    return pruned, old_to_new
+
+
+def cache_indices(path: Sequence[int], start: int) -> torch.Tensor:
+    """KV-cache slots [1 + len(path)] of the root and an accepted path, for `KVCache.keep`.
+
+    The verification forward wrote the root to slot `start` and node i to slot start + 1 + i.
+    `cache.keep(cache_indices(path, start), start)` moves root + path into the contiguous slots
+    [start, start + 1 + len(path)) and drops everything after them. A path's node indices
+    increase (topological order), so the slots are ascending, as `keep` requires.
+    """
+    nodes = torch.as_tensor(list(path), dtype=torch.long)  # [A]
+    return torch.cat([torch.tensor([start]), start + 1 + nodes])  # [1 + A]

@@ -1,0 +1,75 @@
+"""SPORK from the command line: flags, the trace, the lossy gate's labels."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specfork.cli import main
+
+PROMPT = "Repeat exactly: one two three, one two three, one two three."
+
+
+def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--forks", "0"], "forks must be an integer >= 1"),
+        (["--depth", "0"], "depth must be an integer >= 1"),
+        (["--budget", "3", "--depth", "4"], "smaller than the depth"),
+        (["--tau", "1"], "tau must be in [0, 1)"),
+        (["--drafter", "recycle+nope"], "unknown spork drafter 'nope'"),
+    ],
+)
+def test_bad_spork_flags_fail_before_loading(capsys, flags: list[str], words: str) -> None:
+    argv = ["generate", "-m", "no-such-model", "--strategy", "spork", *flags, "hi"]
+    code, out, err = _run(capsys, argv)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert words in err, err
+
+
+def test_lossy_gate_needs_spork(capsys) -> None:
+    code, _, err = _run(capsys, ["generate", "-m", "x", "--lossy-typical", "hi"])
+    assert code == 2 and "SPORK option" in err
+
+
+@pytest.mark.slow
+def test_tree_larger_than_the_context() -> None:
+    from specfork.config import SpecConfig
+    from specfork.engine import Generator
+    from specfork.errors import ConfigError
+    from specfork.loading.loader import load_model
+
+    loaded = load_model("smollm2-135m-instruct")
+    with pytest.raises(ConfigError, match=r"context holds \(16\)"):
+        Generator(loaded, max_context=16, spec=SpecConfig("spork", budget=16))
+    gen = Generator(loaded, max_context=64)
+    with pytest.raises(ConfigError, match=r"context holds \(64\)"):
+        gen.generate("hi", spec=SpecConfig("spork", depth=64, budget=80))
+    # within the budget, a tree is cut to the room the context has left
+    result = gen.generate("Say one two three.", spec=SpecConfig("spork", "recycle", budget=48))
+    assert result.finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lossy", [False, True])
+def test_spork_trace_and_stats(capsys, tmp_path: Path, lossy: bool) -> None:
+    trace = tmp_path / "t.jsonl"
+    argv = ["generate", "--dtype", "float32", "--strategy", "spork", "--drafter", "recycle+ngram",
+            "-n", "32", "--ignore-eos", "--stats", "--trace", str(trace), PROMPT]  # fmt: skip
+    code, out, err = _run(capsys, argv + (["--lossy-typical"] if lossy else []))
+    assert code == 0 and out.strip(), err
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    for r in records:
+        assert {"fork", "nodes", "tree_depth", "forks", "depth", "tau", "next_tau"} <= set(r)
+        assert r["nodes"] == r["drafted"] and 0 <= r["accepted"] <= r["tree_depth"]
+        assert r["fork"] is None or 0 <= r["fork"] < r["nodes"]
+        assert r.get("lossy", False) == lossy
+    assert any(r["accepted"] > 0 for r in records)
+    assert "verify_share" in err
+    assert ("LOSSY" in err) == lossy

@@ -1,0 +1,255 @@
+"""DSpark: the confidence schedule (unit), its config errors, the variable-K sampling loop."""
+
+import math
+
+import pytest
+import torch
+
+from specfork.config import SpecConfig
+from specfork.dspark import EMA_START, DSparkPolicy, block_signals
+from specfork.errors import ConfigError
+from specfork.policies import RoundInfo
+from specfork.sampling import sample
+from specfork.verify import verify_sampling
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V = 50
+
+
+def _logits(top1: float, top2: float, rows: int = 1) -> torch.Tensor:
+    """Logits [rows, V] whose softmax has top-1 `top1`, top-2 `top2`, the rest spread evenly."""
+    rest = (1.0 - top1 - top2) / (V - 2)
+    probs = torch.full((rows, V), rest)
+    probs[:, 0], probs[:, 1] = top1, top2
+    return probs.log()
+
+
+def _policy(**kwargs) -> DSparkPolicy:
+    return DSparkPolicy(SpecConfig("dspark", **kwargs))
+
+
+def _info(drafted: int, accepted: int, logits: torch.Tensor) -> RoundInfo:
+    return RoundInfo(drafted, accepted, generated=10, target_logits=logits)
+
+
+# ----------------------------------------------------------------------------- signals
+
+
+def test_block_signals_are_mean_top1_and_margin() -> None:
+    logits = torch.cat([_logits(0.9, 0.05), _logits(0.5, 0.3)])  # [2, V]
+    top1, margin = block_signals(logits)
+    assert top1 == pytest.approx((0.9 + 0.5) / 2, abs=1e-5)
+    assert margin == pytest.approx((0.85 + 0.2) / 2, abs=1e-5)
+
+
+def test_confidence_uses_only_the_verified_rows() -> None:
+    """Rows after the first rejection were conditioned on a rejected token: not used."""
+    pol = _policy()
+    logits = torch.cat([_logits(0.9, 0.05), _logits(0.9, 0.05), _logits(0.2, 0.19, rows=3)])
+    conf = pol.confidence(_info(4, 1, logits))  # accepted 1: rows 0 and 1
+    assert conf.top1 == pytest.approx(0.9, abs=1e-5)
+
+
+def test_confidence_formula_default_weights() -> None:
+    pol = _policy()
+    pol.update(_info(4, 2, _logits(0.6, 0.3, rows=5)))  # EMA = 0.5 (first ratio)
+    top1, margin, ema = 0.6, 0.3, 0.5
+    want = 0.4 * top1 + 0.3 * min(5 * margin, 1) + 0.3 * ema
+    assert pol.trace()["confidence"] == pytest.approx(want, abs=1e-3)
+
+
+def test_margin_is_scaled_by_five_and_capped_at_one() -> None:
+    pol = _policy(weights=(0.0, 1.0, 0.0))
+    assert pol.confidence(_info(0, 0, _logits(0.5, 0.44))).value == pytest.approx(0.3, abs=1e-4)
+    assert pol.confidence(_info(0, 0, _logits(0.9, 0.05))).value == pytest.approx(1.0)
+
+
+def test_weights_are_normalised_by_their_sum() -> None:
+    a = _policy(weights=(0.4, 0.3, 0.3)).confidence(_info(2, 1, _logits(0.7, 0.1, 2)))
+    b = _policy(weights=(4.0, 3.0, 3.0)).confidence(_info(2, 1, _logits(0.7, 0.1, 2)))
+    assert a.value == pytest.approx(b.value)
+
+
+def test_ema_starts_at_the_first_ratio_then_moves_at_its_rate() -> None:
+    pol = _policy(ema_rate=0.25)
+    logits = _logits(0.5, 0.2, rows=5)
+    assert pol.confidence(_info(0, 0, logits[:1])).ema == EMA_START  # nothing drafted yet
+    pol.update(_info(4, 4, logits))
+    assert pol.ema == 1.0
+    pol.update(_info(4, 0, logits))
+    assert pol.ema == pytest.approx(1.0 + 0.25 * (0.0 - 1.0))
+    pol.update(_info(0, 0, logits[:1]))  # an empty draft leaves the EMA alone
+    assert pol.ema == pytest.approx(0.75)
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+@pytest.mark.parametrize(
+    ("c", "k"),
+    [(0.0, 2), (0.3, 2), (0.4, 4), (0.5, 5), (0.6, 7), (0.7, 8), (1.0, 8)],
+)
+def test_schedule_maps_low_high_onto_min_max_and_clamps(c: float, k: int) -> None:
+    # min_k + (max_k - min_k)(c - low)/(high - low) = 2 + 6 (c - 0.3)/0.4, rounded, clamped
+    assert _policy().schedule(c) == k
+
+
+def test_k_rises_after_an_accepted_round() -> None:
+    pol = _policy()
+    assert pol.next_k(0) == 2
+    pol.update(_info(2, 2, _logits(0.95, 0.01, rows=3)))
+    assert pol.next_k(3) == 8
+
+
+def test_k_may_not_rise_when_nothing_was_accepted() -> None:
+    """An empty draft (no n-gram match) with a confident target: K stays where it was."""
+    pol = _policy()
+    pol.update(_info(0, 0, _logits(0.99, 0.005)))
+    assert pol.schedule(pol.trace()["confidence"]) == 8  # the mapping alone would rise
+    assert pol.next_k(1) == 2
+
+
+def test_k_may_fall_without_acceptance() -> None:
+    pol = _policy()
+    pol.update(_info(2, 2, _logits(0.95, 0.01, rows=3)))  # K -> 8
+    pol.update(_info(0, 0, _logits(0.3, 0.29)))  # empty draft, low confidence
+    assert pol.next_k(5) < 8
+
+
+def test_first_token_rejection_drops_k_to_min_at_once() -> None:
+    pol = _policy(min_k=3, max_k=9)
+    pol.update(_info(3, 3, _logits(0.95, 0.01, rows=4)))
+    assert pol.next_k(4) == 9
+    pol.update(_info(9, 0, _logits(0.99, 0.001, rows=10)))  # confident, yet the first failed
+    assert pol.next_k(5) == 3
+    assert pol.trace()["first_rejection_rate"] == 0.5
+
+
+def test_reset_starts_a_request_fresh() -> None:
+    pol = _policy()
+    pol.update(_info(2, 2, _logits(0.95, 0.01, rows=3)))
+    pol.reset()
+    assert (pol.next_k(0), pol.ema, pol.first_rejection_rate, pol.trace()) == (2, None, 0.0, {})
+
+
+def test_trace_has_the_documented_fields() -> None:
+    pol = _policy()
+    pol.update(_info(2, 1, _logits(0.8, 0.1, rows=3)))
+    fields = {"top1", "margin", "ema", "confidence", "next_k", "first_rejection_rate"}
+    assert set(pol.trace()) == fields
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"min_k": 0}, "min_k"),
+        ({"min_k": 4, "max_k": 3}, "max_k"),
+        ({"low": 0.7, "high": 0.7}, "low < high"),
+        ({"low": 0.8, "high": 0.2}, "low < high"),
+        ({"high": math.nan}, "low < high"),
+        ({"weights": (0.5, -0.1, 0.6)}, "weights"),
+        ({"weights": (0.0, 0.0, 0.0)}, "positive sum"),
+        ({"weights": (0.5, 0.5)}, "three numbers"),
+        ({"ema_rate": 0.0}, "ema_rate"),
+        ({"ema_rate": 1.5}, "ema_rate"),
+    ],
+)
+def test_bad_dspark_settings_are_clear_errors(kwargs: dict, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        SpecConfig("dspark", **kwargs)
+
+
+def test_ema_rate_of_one_is_allowed() -> None:
+    assert SpecConfig("dspark", ema_rate=1.0).ema_rate == 1.0
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def _bigram(seed: int, sharp: float) -> torch.Tensor:
+    """A random bigram model: row i is the distribution of the token after token i, [V', V']."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(sharp * torch.randn(8, 8, generator=g), dim=-1)
+
+
+def _speculative_sequences(
+    p: torch.Tensor, q: torch.Tensor, n_seq: int, length: int, cheat: bool = False
+) -> tuple[torch.Tensor, set[int]]:
+    """The engine's loop over a bigram target p and bigram drafter q, K chosen by DSpark.
+
+    Returns [n_seq, length] tokens after a fixed start token 0, and the draft lengths used.
+    With `cheat` the draft is cut after it was drawn (before the first token with q > p): a
+    draft length chosen by looking at the draft, which biases the output and must fail.
+    """
+    gen = torch.Generator().manual_seed(1234)
+    pol = DSparkPolicy(SpecConfig("dspark", min_k=1, max_k=4, low=0.2, high=0.6))
+    out = torch.empty(n_seq, length, dtype=torch.long)
+    used: set[int] = set()
+    for s in range(n_seq):
+        pol.reset()
+        seq = [0]
+        while len(seq) <= length:
+            k = pol.next_k(len(seq) - 1)
+            used.add(k)
+            draft, q_rows = [], []
+            for _ in range(k):
+                row = q[(draft or seq)[-1]]
+                draft.append(int(sample(row, gen)))
+                q_rows.append(row)
+            if cheat:  # drop the draft from the first token the target likes less than q
+                ctx = [seq[-1], *draft]
+                cut = next((i for i, x in enumerate(draft) if q_rows[i][x] > p[ctx[i]][x]), k)
+                draft, q_rows = draft[:cut], q_rows[:cut]
+            ctx = [seq[-1], *draft]
+            p_rows = p[torch.tensor(ctx)]  # [K + 1, V']
+            q_k = torch.stack(q_rows) if q_rows else torch.empty(0, p.shape[1])  # [K, V']
+            verdict = verify_sampling(torch.tensor(draft, dtype=torch.long), p_rows, q_k, gen)
+            pol.update(RoundInfo(len(draft), verdict.accepted, len(seq), p_rows.log()))
+            seq += verdict.tokens
+        out[s] = torch.tensor(seq[1 : length + 1])
+    return out, used
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Chi-square statistic and degrees of freedom, bins merged to expected counts >= 5."""
+    expected = probs * counts.sum()
+    order = expected.argsort(descending=True)
+    stat, bins, acc_o, acc_e = 0.0, 0, 0.0, 0.0
+    for o, e in zip(counts[order].tolist(), expected[order].tolist(), strict=True):
+        acc_o, acc_e = acc_o + o, acc_e + e
+        if acc_e >= 5:
+            stat += (acc_o - acc_e) ** 2 / acc_e
+            bins, acc_o, acc_e = bins + 1, 0.0, 0.0
+    if acc_e > 0 and bins:  # the small tail joins the last bin's test as one more cell
+        stat += (acc_o - acc_e) ** 2 / max(acc_e, 5.0)
+    return stat, max(bins - 1, 1)
+
+
+def _position_pvalue(seqs: torch.Tensor, p: torch.Tensor, position: int) -> float:
+    """Fit of the token at `position` to p given the token before (start token 0 at 0)."""
+    prev = seqs[:, position - 1] if position else torch.zeros(len(seqs), dtype=torch.long)
+    stat, dof = 0.0, 0
+    for c in prev.unique().tolist():
+        counts = torch.bincount(seqs[prev == c, position], minlength=p.shape[1]).double()
+        if counts.sum() >= 50:
+            s, d = _chi2(counts, p[c].double())
+            stat, dof = stat + s, dof + d
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+def test_sampling_with_dspark_variable_k_keeps_the_target_distribution() -> None:
+    p, q = _bigram(1, 1.5), _bigram(2, 1.5)
+    seqs, used = _speculative_sequences(p, q, n_seq=6000, length=4)
+    assert used == {1, 2, 3, 4}  # K really varied
+    for pos in range(4):
+        assert _position_pvalue(seqs, p, pos) > 1e-3, pos
+
+
+def test_a_policy_that_peeks_at_the_draft_fails_the_same_test() -> None:
+    p, q = _bigram(1, 1.5), _bigram(2, 1.5)
+    seqs, _ = _speculative_sequences(p, q, n_seq=6000, length=4, cheat=True)
+    assert min(_position_pvalue(seqs, p, pos) for pos in range(4)) < 1e-3

@@ -1,0 +1,560 @@
+"""`specfork serve`: the OpenAI-compatible server, driven by the real `openai` client and httpx.
+
+One server on the real default model (float32, CPU, 1024-token context) is started per module on
+a free loopback port; greedy output through it must equal the library's `Generator.generate`.
+Scheduling (queue full, load shedding, internal errors) is tested on small apps whose engine is a
+fake that blocks until the test lets it go, so nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import queue
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from rich.console import Console
+
+from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.engine import GenerationResult, Generator
+from specfork.errors import SpecforkError
+from specfork.loading.loader import LoadedModel
+from specfork.metrics import GenerationStats
+from specfork.server.app import create_app
+from specfork.server.cli import add_serve_parser, run_serve, serve_in_background
+
+MODEL = "smollm2-135m-instruct"
+CONTEXT = 1024
+N_TOKENS = 12
+PROMPT = "Repeat exactly: one two three, one two three, one two three,"
+MESSAGES = [{"role": "user", "content": "List the numbers one to five, then again."}]
+STRATEGIES = {
+    "ar": None,
+    "ngram": {"strategy": "speculative", "drafter": "ngram", "k": 3},
+    "dspark": {"strategy": "dspark", "drafter": "ngram"},
+    "spork": {"strategy": "spork", "drafter": "recycle+ngram"},
+}
+
+
+@dataclass
+class Served:
+    url: str
+    client: openai.OpenAI
+    reference: Generator  # a second Generator on the same weights, used while the server idles
+
+
+@pytest.fixture(scope="module")
+def served(smollm_f32: LoadedModel) -> Iterator[Served]:
+    generator = Generator(smollm_f32, max_context=CONTEXT)
+    app = create_app(generator, model_name=MODEL, queue_size=64)
+    with serve_in_background(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        yield Served(url, client, Generator(smollm_f32, max_context=CONTEXT))
+        client.close()
+
+
+def _spec(name: str) -> SpecConfig | None:
+    obj = STRATEGIES[name]
+    return None if obj is None else SpecConfig(**obj)
+
+
+def _extra(name: str) -> dict:
+    extra: dict = {"ignore_eos": True}
+    if STRATEGIES[name] is not None:
+        extra["speculative"] = STRATEGIES[name]
+    return extra
+
+
+def _metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{url}/metrics").text
+    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def _until(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Poll until `predicate` holds (the deadline only guards against a hang)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+# -- greedy output equals the library's ------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_matches_library(served: Served, strategy: str, stream: bool) -> None:
+    kwargs = dict(
+        model=MODEL, prompt=PROMPT, max_tokens=N_TOKENS, temperature=0, extra_body=_extra(strategy)
+    )
+    if stream:
+        chunks = list(served.client.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = chunks[-1].choices[0].finish_reason
+        stats = chunks[-1].model_extra["speculative"]
+    else:
+        resp = served.client.completions.create(**kwargs)
+        text, finish = resp.choices[0].text, resp.choices[0].finish_reason
+        stats = resp.model_extra["speculative"]
+        assert resp.usage.completion_tokens == N_TOKENS
+        assert resp.usage.total_tokens == resp.usage.prompt_tokens + N_TOKENS
+    config = GenerationConfig(max_new_tokens=N_TOKENS, ignore_eos=True)
+    ref = served.reference.generate(PROMPT, chat=False, config=config, spec=_spec(strategy))
+    assert (text, finish) == (ref.text, ref.finish_reason) == (ref.text, "length")
+    assert stats["strategy"] == ("ar" if strategy == "ar" else STRATEGIES[strategy]["strategy"])
+    assert stats["drafted"] == ref.stats.drafted and stats["accepted"] == ref.stats.accepted
+    if strategy == "ngram":
+        assert stats["drafter"] == "ngram" and stats["k"] == 3 and stats["accepted"] > 0
+        assert stats["mean_accepted_length"] > 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_matches_library(served: Served, strategy: str, stream: bool) -> None:
+    kwargs = dict(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=N_TOKENS,
+        temperature=0,
+        extra_body=_extra(strategy),
+    )
+    if stream:
+        chunks = list(
+            served.client.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kwargs
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = chunks[-2].choices[0].finish_reason
+        usage = chunks[-1].usage
+        assert chunks[-1].choices == []
+    else:
+        resp = served.client.chat.completions.create(**kwargs)
+        assert resp.object == "chat.completion" and resp.choices[0].message.role == "assistant"
+        text, finish, usage = (
+            resp.choices[0].message.content,
+            resp.choices[0].finish_reason,
+            resp.usage,
+        )
+    config = GenerationConfig(max_new_tokens=N_TOKENS, ignore_eos=True)
+    ref = served.reference.generate(MESSAGES, chat=True, config=config, spec=_spec(strategy))
+    assert (text, finish) == (ref.text, "length")
+    assert usage.completion_tokens == N_TOKENS
+    assert usage.prompt_tokens == len(ref.prompt_ids)
+
+
+@pytest.mark.slow
+def test_stop_string_and_eos(served: Served) -> None:
+    resp = served.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=N_TOKENS, temperature=0, stop=[" three"]
+    )
+    assert resp.choices[0].finish_reason == "stop"
+    assert "three" not in resp.choices[0].text
+    chat = served.client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say only: yes"}],
+        max_tokens=64,
+        temperature=0,
+    )
+    assert chat.choices[0].finish_reason == "stop"  # EOS (<|im_end|>) before 64 tokens
+    assert chat.usage.completion_tokens < 64
+
+
+@pytest.mark.slow
+def test_models_health_metrics(served: Served) -> None:
+    models = served.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert served.client.models.retrieve(MODEL).id == MODEL
+    health = httpx.get(f"{served.url}/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    text = httpx.get(f"{served.url}/metrics").text
+    for name in (
+        "specfork_requests_total",
+        "specfork_prompt_tokens_total",
+        "specfork_completion_tokens_total",
+        "specfork_drafted_tokens_total",
+        "specfork_accepted_tokens_total",
+        "specfork_mean_accepted_length",
+        "specfork_time_to_first_token_seconds_bucket",
+        "specfork_request_latency_seconds_bucket",
+        "specfork_queue_depth",
+        "specfork_speculation_enabled",
+    ):
+        assert name in text, name
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+LONG = "word " * 1500
+BAD = [
+    ("completions", b"{not json", None),
+    ("completions", b"[1, 2]", None),
+    ("completions", b"[" * 100_000, None),
+    ("completions", b"\xff\xfe", None),
+    ("completions", {"max_tokens": 4}, "prompt"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": "   "}, "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("chat/completions", {"max_tokens": 4}, "messages"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("completions", {"prompt": LONG}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
+    ("completions", {"prompt": "word " * 600, "max_tokens": 600}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 5000}, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": "8"}, "max_tokens"),
+    (
+        "chat/completions",
+        {"messages": MESSAGES, "max_completion_tokens": -1},
+        "max_completion_tokens",
+    ),
+    ("completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
+    ("completions", b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+    ("completions", b'{"prompt": "hi", "temperature": Infinity}', "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("completions", {"prompt": "hi", "top_k": -1}, "top_k"),
+    ("completions", {"prompt": "hi", "min_p": -0.1}, "min_p"),
+    ("completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ("completions", {"prompt": "hi", "seed": -3}, "seed"),
+    ("completions", {"prompt": "hi", "n": 2}, "n"),
+    ("completions", {"prompt": "hi", "stop": ""}, "stop"),
+    ("completions", {"prompt": "hi", "stop": ["ok", ""]}, "stop"),
+    ("completions", {"prompt": "hi", "stop": 5}, "stop"),
+    ("completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
+    ("completions", {"prompt": "hi", "speculative": {"strategy": "turbo"}}, "speculative"),
+    ("completions", {"prompt": "hi", "speculative": {"bushiness": 3}}, "speculative"),
+    (
+        "completions",
+        {"prompt": "hi", "speculative": {"strategy": "spork", "tau": 1}},
+        "speculative",
+    ),
+    ("chat/completions", {"messages": [], "speculative": {}}, "messages"),
+    (
+        "completions",
+        {"prompt": "hi", "speculative": {"strategy": "spork", "drafter": "recycle+model:/x"}},
+        "speculative.drafter",
+    ),
+    (
+        "completions",
+        {"prompt": "hi", "speculative": {"strategy": "speculative", "k": 0}},
+        "speculative",
+    ),
+    (
+        "completions",
+        {"prompt": "hi", "speculative": {"drafter": "model:/etc"}},
+        "speculative.drafter",
+    ),
+    (
+        "completions",
+        {"prompt": "hi", "speculative": {"self_layers": "0-99999999"}},
+        "speculative.self_layers",
+    ),
+    ("completions", {"prompt": "hi", "speculative": "fast"}, "speculative"),
+    ("completions", {"prompt": "hi", "max_token": 4}, "max_token"),
+    ("completions", {"prompt": "hi", "logprobs": 5}, "logprobs"),
+    ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": [1, 99999999]}, "prompt"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("path", "body", "param"), BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_input_is_400(served: Served, path: str, body: bytes | dict, param: str | None) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = httpx.post(f"{served.url}/v1/{path}", content=content, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+
+
+@pytest.mark.slow
+def test_self_layers_out_of_range_is_400_and_server_serves_on(served: Served) -> None:
+    body = {
+        "prompt": "hi",
+        "max_tokens": 2,
+        "speculative": {"strategy": "speculative", "drafter": "self", "self_layers": "0-99"},
+    }
+    resp = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400 and "out of range" in resp.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=3)
+    assert exc.value.status_code == 400
+    ok = served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+    assert (
+        _metric(served.url, "specfork_requests_total", '{endpoint="completions",status="400"}') >= 2
+    )
+
+
+@pytest.mark.slow
+def test_unknown_routes_use_the_error_shape(served: Served) -> None:
+    for resp, status in (
+        (httpx.get(f"{served.url}/v1/nothing"), 404),
+        (httpx.get(f"{served.url}/v1/completions"), 405),
+        (httpx.get(f"{served.url}/v1/models/gpt-4"), 404),
+    ):
+        assert resp.status_code == status
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# -- load, disconnects -----------------------------------------------------------------------------
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kb / 1024
+
+
+@pytest.mark.slow
+def test_32_concurrent_clients(served: Served) -> None:
+    n_clients, max_tokens = 32, 8
+    gc.collect()
+    rss_before = _rss_mb()
+    done = threading.Event()
+    health: list[int] = []
+
+    def watch_health() -> None:
+        while not done.is_set():
+            health.append(httpx.get(f"{served.url}/health", timeout=30).status_code)
+            done.wait(0.2)
+
+    def one(i: int) -> tuple[str | None, int]:
+        strategy = "ngram" if i % 2 else "ar"
+        kwargs = dict(
+            model=MODEL,
+            prompt=f"Count from {i}: {i}, {i + 1},",
+            temperature=0,
+            max_tokens=max_tokens,
+            extra_body=_extra(strategy),
+        )
+        if i % 4 == 3:  # a quarter streams
+            chunks = list(
+                served.client.completions.create(
+                    stream=True, stream_options={"include_usage": True}, **kwargs
+                )
+            )
+            return chunks[-2].choices[0].finish_reason, chunks[-1].usage.completion_tokens
+        resp = served.client.completions.create(**kwargs)
+        return resp.choices[0].finish_reason, resp.usage.completion_tokens
+
+    watcher = threading.Thread(target=watch_health)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(n_clients) as pool:
+            results = list(pool.map(one, range(n_clients)))
+    finally:
+        done.set()
+        watcher.join()
+    assert results == [("length", max_tokens)] * n_clients
+    assert health and set(health) == {200}
+    gc.collect()
+    assert _rss_mb() - rss_before < 150, (rss_before, _rss_mb())
+    assert _metric(served.url, "specfork_queue_depth") == 0
+
+
+@pytest.mark.slow
+def test_disconnect_mid_stream_stops_generation(served: Served) -> None:
+    cancelled = _metric(served.url, "specfork_generations_cancelled_total")
+    gone = _metric(served.url, "specfork_requests_total", '{endpoint="completions",status="499"}')
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        first = next(line for line in resp.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["text"]
+    # 900 tokens would take minutes here; the count moves only if the worker stopped early
+    _until(
+        lambda: _metric(served.url, "specfork_generations_cancelled_total") == cancelled + 1,
+        "the generation to be cancelled",
+    )
+    _until(
+        lambda: (
+            _metric(served.url, "specfork_requests_total", '{endpoint="completions",status="499"}')
+            == gone + 1
+        ),
+        "the request to be counted as 499",
+    )
+    resp = served.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 4
+
+
+# -- scheduling, on a fake engine ------------------------------------------------------------------
+
+
+class FakeStream:
+    """Yields one delta per requested token after the engine lets it go; sets `result`."""
+
+    def __init__(self, engine: FakeEngine, ids: list[int], n: int) -> None:
+        self.engine, self.ids, self.n = engine, ids, n
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        if not self.engine.permits.acquire(timeout=60):
+            raise TimeoutError("the test never released this request")
+        if self.engine.fail:
+            raise RuntimeError("boom")
+        for _ in range(self.n):
+            yield "x"
+        stats = GenerationStats(
+            prompt_tokens=len(self.ids), new_tokens=self.n, target_forwards=self.n - 1
+        )
+        self.result = GenerationResult("x" * self.n, [7] * self.n, "length", self.ids, stats)
+
+
+class FakeEngine:
+    """Duck-types `Generator`; each request waits for a permit, starts are reported."""
+
+    context = 64
+
+    def __init__(self, spec: SpecConfig, *, gated: bool = True, fail: bool = False) -> None:
+        self.default_spec = spec
+        self.fail = fail
+        self.permits = threading.Semaphore(0 if gated else 1_000_000)
+        self.started: queue.Queue[SpecConfig] = queue.Queue()
+
+    def encode_prompt(self, prompt: object, chat: bool | None = None) -> list[int]:
+        return [1, 2, 3]
+
+    def stream(
+        self,
+        prompt: list[int],
+        *,
+        config: GenerationConfig,
+        sampling: SamplingParams,
+        spec: SpecConfig | None,
+    ) -> FakeStream:
+        self.started.put(spec or self.default_spec)
+        return FakeStream(self, prompt, config.max_new_tokens)
+
+
+NGRAM = SpecConfig("speculative", "ngram", k=4)
+
+
+def _post(url: str, body: dict | None = None) -> httpx.Response:
+    return httpx.post(
+        f"{url}/v1/completions", json=body or {"prompt": "hi", "max_tokens": 3}, timeout=60
+    )
+
+
+def test_queue_full_is_429_with_retry_after() -> None:
+    engine = FakeEngine(NGRAM)
+    app = create_app(engine, model_name="fake", queue_size=1, retry_after=3)
+    with serve_in_background(app) as url, ThreadPoolExecutor(2) as pool:
+        running = pool.submit(_post, url)
+        engine.started.get(timeout=30)  # the first request is running
+        waiting = pool.submit(_post, url)
+        _until(lambda: app.state.worker.depth == 1, "the second request to queue")
+        full = _post(url)
+        assert full.status_code == 429 and full.headers["Retry-After"] == "3"
+        error = full.json()["error"]
+        assert error["code"] == "queue_full" and set(error) == {"message", "type", "param", "code"}
+        engine.permits.release(2)
+        assert running.result().status_code == 200 and waiting.result().status_code == 200
+        assert _metric(url, "specfork_requests_total", '{endpoint="completions",status="429"}') == 1
+
+
+def test_plain_decoding_while_the_queue_is_deep() -> None:
+    engine = FakeEngine(NGRAM)
+    app = create_app(engine, model_name="fake", queue_size=8, plain_above_queue=0)
+    with serve_in_background(app) as url, ThreadPoolExecutor(3) as pool:
+        first = pool.submit(_post, url)
+        assert engine.started.get(timeout=30) == NGRAM
+        assert _metric(url, "specfork_speculation_enabled") == 1
+        later = []
+        for depth in (1, 2):  # one at a time, so that their order in the queue is known
+            later.append(pool.submit(_post, url))
+            _until(lambda d=depth: app.state.worker.depth == d, f"{depth} requests to queue")
+        engine.permits.release()
+        assert engine.started.get(timeout=30) == SpecConfig()  # one still waits: plain
+        assert _metric(url, "specfork_speculation_enabled") == 0
+        engine.permits.release()
+        assert engine.started.get(timeout=30) == NGRAM  # the queue is empty again
+        assert _metric(url, "specfork_speculation_enabled") == 1
+        engine.permits.release()
+        stats = [f.result().json()["speculative"] for f in (first, *later)]
+    assert [s["strategy"] for s in stats] == ["speculative", "ar", "speculative"]
+    assert [s["plain_under_load"] for s in stats] == [False, True, False]
+
+
+def test_internal_error_is_500_and_the_server_serves_on() -> None:
+    engine = FakeEngine(SpecConfig(), gated=False, fail=True)
+    app = create_app(engine, model_name="fake")
+    with serve_in_background(app) as url:
+        resp = _post(url)
+        assert resp.status_code == 500
+        assert resp.json()["error"]["type"] == "server_error"
+        streamed = _post(url, {"prompt": "hi", "max_tokens": 3, "stream": True})
+        assert streamed.status_code == 200 and '"error"' in streamed.text
+        assert streamed.text.rstrip().endswith("data: [DONE]")
+        engine.fail = False
+        assert _post(url).json()["choices"][0]["text"] == "xxx"
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_body_too_large_is_413() -> None:
+    app = create_app(FakeEngine(SpecConfig(), gated=False), model_name="fake", max_body_bytes=64)
+    with serve_in_background(app) as url:
+        resp = _post(url, {"prompt": "x" * 100})
+        assert resp.status_code == 413 and resp.json()["error"]["message"]
+
+
+# -- the serve command -----------------------------------------------------------------------------
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--verbose", action="store_true")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_serve_flags() -> None:
+    args = _serve_args("--strategy", "speculative", "--k", "3", "--plain-above-queue", "4")
+    assert (args.host, args.port, args.queue_size, args.plain_above_queue) == (
+        "127.0.0.1",
+        8000,
+        64,
+        4,
+    )
+    assert (args.strategy, args.k) == ("speculative", 3)
+
+
+def test_serve_reports_bad_flags_and_taken_port_before_loading() -> None:
+    console = Console(stderr=True)
+    with pytest.raises(SpecforkError, match="k \\(draft length\\)"):
+        run_serve(
+            _serve_args("-m", "no-such-model", "--strategy", "speculative", "--k", "0"), console
+        )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SpecforkError, match="cannot listen"):
+            run_serve(_serve_args("-m", "no-such-model", "--port", str(port)), console)

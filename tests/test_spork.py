@@ -1,0 +1,248 @@
+"""SPORK: tree shapes, the fork drafter, adaptation, bad input (no model needed)."""
+
+import pytest
+import torch
+
+from specfork.config import SamplingParams, SpecConfig
+from specfork.drafters.base import Draft
+from specfork.drafters.forks import ForkDrafter, _cap
+from specfork.errors import ConfigError
+from specfork.policies import RoundInfo
+from specfork.spork import TAU_MAX, SporkPolicy, TreeShape, node_scores
+from specfork.tree import Tree, children, depths
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V = 32
+
+
+# ----------------------------------------------------------------------------- scores, caps
+
+
+def test_node_scores_multiply_inverse_sibling_ranks() -> None:
+    # root children: 0 (rank 0), 1 (rank 1), 4 (rank 2); node 0's children: 2, 3; node 2: 5
+    tree = Tree([5, 6, 7, 8, 9, 10], [-1, -1, 0, 0, -1, 2])
+    want = [1.0, 1 / 2, 1.0, 1 / 2, 1 / 3, 1.0]
+    assert node_scores(tree).tolist() == pytest.approx(want)
+
+
+def test_cap_drops_nodes_below_tau_and_their_subtrees() -> None:
+    tree = Tree([5, 6, 7, 8, 9, 10], [-1, -1, 0, 0, -1, 1])
+    capped = _cap(tree, tau=0.5, max_nodes=100)  # node 4 (1/3) goes; 1 (1/2) stays with 5
+    assert capped.tokens.tolist() == [5, 6, 7, 8, 10]
+    assert capped.parents.tolist() == [-1, -1, 0, 0, 1]
+
+
+def test_cap_keeps_the_best_nodes_and_their_ancestors() -> None:
+    tree = Tree([5, 6, 7, 8, 9], [-1, 0, 1, -1, 3])  # chain 5-6-7 (score 1), fork 8-9 (1/2)
+    capped = _cap(tree, tau=0.0, max_nodes=4)
+    assert capped.tokens.tolist() == [5, 6, 7, 8]
+    assert set(capped.parents.tolist()) <= {-1, 0, 1}
+
+
+# ----------------------------------------------------------------------------- fork drafter
+
+
+class FixedChain:
+    """A chain drafter that always proposes the same tokens (cut to the budget)."""
+
+    name = "fixed"
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.rolled_back: list[int] = []
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        return None
+
+    def propose(self, history, budget, sampling, rng) -> Draft:
+        return Draft(torch.tensor(self.tokens[:budget], dtype=torch.long), forwards=1)
+
+    def rollback(self, length: int) -> None:
+        self.rolled_back.append(length)
+
+
+def _table_drafter(chain: list[int] | None = None) -> ForkDrafter:
+    chains = {"fixed": FixedChain(chain)} if chain is not None else {}
+    drafter = ForkDrafter(V, recycle=True, chains=chains)
+    drafter.begin([1, 2, 3])
+    # successors: 1 -> [2, 3, 4], 2 -> [5, ...], 3 -> [6, ...], 4 -> [7, ...], 5 -> [8, ...]
+    logits = torch.full((5, V), -10.0)
+    for row, succ in enumerate([[2, 3, 4], [5], [6], [7], [8]]):
+        for rank, s in enumerate(succ):
+            logits[row, s] = 10.0 - rank
+    drafter.observe(torch.tensor([1, 2, 3, 4, 5]), logits)
+    return drafter
+
+
+def test_recycled_forks_walk_the_table() -> None:
+    drafter = _table_drafter()
+    shape = TreeShape("forks", forks=3, depth=3, budget=24, tau=0.0)
+    draft, tree = drafter.propose_tree([9, 1], shape, max_depth=10, max_nodes=100)
+    paths = {tuple(tree.tokens[i].item() for i in _path(tree, leaf)) for leaf in _leaves(tree)}
+    assert paths == {(2, 5, 8), (3, 6), (4, 7)}  # 6 and 7 have no known successor: forks stop
+    assert [tree.tokens[c].item() for c in children(tree)[0]] == [2, 3, 4]
+    assert draft.parents is not None and draft.parents.tolist() == tree.parents.tolist()
+    assert int(depths(tree).max()) <= 3
+
+
+def test_chain_branches_come_first_and_share_nodes_with_forks() -> None:
+    drafter = _table_drafter(chain=[3, 6, 11])
+    shape = TreeShape("forks", forks=3, depth=3, budget=24, tau=0.0)
+    draft, tree = drafter.propose_tree([9, 1], shape, max_depth=10, max_nodes=100)
+    first = [tree.tokens[c].item() for c in children(tree)[0]]
+    assert first == [3, 2, 4]  # the chain's 3 first, the recycled 3 merged into it
+    assert tree.tokens.tolist().count(6) == 1  # 3 -> 6 shared by the chain and the fork
+    assert draft.forwards == 1
+
+
+def test_tree_respects_depth_and_node_limits() -> None:
+    drafter = _table_drafter(chain=[3, 6, 11, 12, 13])
+    shape = TreeShape("dynamic", forks=3, depth=6, budget=24, tau=0.0)
+    _, tree = drafter.propose_tree([9, 1], shape, max_depth=2, max_nodes=4)
+    assert len(tree) <= 4 and int(depths(tree).max()) <= 2
+    _, empty = drafter.propose_tree([9, 1], shape, max_depth=0, max_nodes=4)
+    assert len(empty) == 0
+
+
+def test_unknown_root_gives_an_empty_tree() -> None:
+    drafter = _table_drafter()
+    shape = TreeShape("forks", forks=3, depth=3, budget=24, tau=0.0)
+    _, tree = drafter.propose_tree([9, 30], shape, max_depth=5, max_nodes=50)
+    assert len(tree) == 0
+
+
+def test_rollback_reaches_the_chain_drafters() -> None:
+    chain = FixedChain([1])
+    drafter = ForkDrafter(V, recycle=False, chains={"fixed": chain})
+    drafter.rollback(17)
+    assert chain.rolled_back == [17] and drafter.name == "fixed"
+    assert not drafter.wants_prefill_logits
+
+
+# ----------------------------------------------------------------------------- adaptation
+
+
+def _path(tree: Tree, node: int) -> list[int]:
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = int(tree.parents[node])
+    return out[::-1]
+
+
+def _leaves(tree: Tree) -> list[int]:
+    kids = children(tree)
+    return [i for i in range(len(tree)) if not kids[i + 1]]
+
+
+def _round(nodes: int, accepted: int, fork: int | None, depth: int = 4) -> RoundInfo:
+    return RoundInfo(nodes, accepted, 10, None, fork=fork, tree_depth=depth)
+
+
+def test_two_fallbacks_in_a_row_narrow_and_shorten_the_tree() -> None:
+    pol = SporkPolicy(SpecConfig("spork", forks=4, depth=4))
+    pol.update(_round(16, 0, None))
+    assert (pol.forks, pol.depth) == (4, 4)  # one fallback is not a trend
+    pol.update(_round(16, 0, None))
+    assert (pol.forks, pol.depth) == (3, 3)
+
+
+def test_a_win_resets_the_fallback_streak() -> None:
+    pol = SporkPolicy(SpecConfig("spork", forks=4, depth=4))
+    pol.update(_round(16, 0, None))
+    pol.update(_round(16, 1, 0))
+    pol.update(_round(16, 0, None))
+    assert (pol.forks, pol.depth) == (4, 4)
+
+
+def test_the_widest_fork_winning_adds_a_fork_up_to_twice_the_start() -> None:
+    pol = SporkPolicy(SpecConfig("spork", forks=2, depth=4))
+    for _ in range(5):
+        pol.update(_round(8, 1, pol.forks - 1))
+    assert pol.forks == 4
+
+
+def test_whole_forks_accepted_deepen_the_tree_within_bounds() -> None:
+    pol = SporkPolicy(SpecConfig("spork", forks=2, depth=3))
+    for _ in range(10):
+        pol.update(_round(8, pol.depth, 0, depth=pol.depth))
+    assert pol.depth == 6
+
+
+def test_tau_moves_toward_the_target_acceptance() -> None:
+    pol = SporkPolicy(SpecConfig("spork", tau=0.2, target_acceptance=0.7))
+    pol.update(_round(16, 0, None, depth=4))  # acceptance 0 < 0.7: prune harder
+    assert pol.tau == pytest.approx(0.2 + 0.05 * 0.7)
+    pol.update(_round(16, 4, 0, depth=4))  # acceptance 1 > 0.7: send more
+    assert pol.tau == pytest.approx(0.2 + 0.05 * 0.7 - 0.05 * 0.3)
+    for _ in range(100):
+        pol.update(_round(16, 0, None))
+    assert pol.tau == TAU_MAX
+
+
+def test_no_adapt_keeps_the_shape() -> None:
+    pol = SporkPolicy(SpecConfig("spork", forks=3, depth=5, tau=0.1, adapt=False))
+    for _ in range(4):
+        pol.update(_round(16, 0, None))
+    assert pol.next_shape(0) == TreeShape("forks", 3, 5, 24, 0.1)
+
+
+def test_empty_trees_do_not_adapt_and_reset_restores() -> None:
+    pol = SporkPolicy(SpecConfig("spork"))
+    for _ in range(3):
+        pol.update(_round(0, 0, None, depth=0))
+    assert (pol.forks, pol.depth, pol.tau) == (4, 4, 0.0)
+    pol.update(_round(16, 0, None))
+    pol.update(_round(16, 0, None))
+    pol.reset()
+    assert (pol.forks, pol.depth, pol.tau, pol.trace()) == (4, 4, 0.0, {})
+
+
+def test_trace_fields() -> None:
+    pol = SporkPolicy(SpecConfig("spork"))
+    pol.update(_round(12, 2, 1))
+    t = pol.trace()
+    assert t["fork"] == 1 and t["nodes"] == 12 and t["forks"] == 4 and t["next_forks"] == 4
+    assert {"depth", "tau", "tree_depth", "next_depth", "next_tau"} <= set(t)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"forks": 0}, "forks must be an integer >= 1"),
+        ({"depth": 0}, "depth must be an integer >= 1"),
+        ({"depth": 8, "budget": 4}, "smaller than the depth"),
+        ({"tau": 1.0}, r"tau must be in \[0, 1\)"),
+        ({"tau": -0.1}, r"tau must be in \[0, 1\)"),
+        ({"tree": "bushy"}, "unknown tree shape"),
+        ({"drafter": "recycle+bogus"}, "unknown spork drafter 'bogus'"),
+        ({"target_acceptance": 0.0}, "target_acceptance"),
+        ({"typical_epsilon": 0.0}, "typical_epsilon"),
+    ],
+)
+def test_bad_spork_settings(kwargs: dict, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        SpecConfig("spork", **kwargs)
+
+
+def test_recycle_needs_spork_and_lossy_needs_spork() -> None:
+    with pytest.raises(ConfigError, match="strategy spork"):
+        SpecConfig("speculative", drafter="recycle")
+    with pytest.raises(ConfigError, match="SPORK option"):
+        SpecConfig("speculative", lossy_typical=True)
+
+
+def test_default_drafter_depends_on_the_strategy() -> None:
+    assert SpecConfig("spork").drafter == "recycle"
+    assert SpecConfig("speculative").drafter == "ngram"
+
+
+def test_sampling_params_unused_by_chains_are_greedy() -> None:
+    """Tree branches are deterministic (verified as one-hot q), whatever the request samples."""
+    from specfork.drafters.forks import GREEDY
+
+    assert SamplingParams() == GREEDY and GREEDY.greedy
