@@ -31,6 +31,7 @@ from specfork.bench.runner import (
     run_interleaved,
     run_order,
     summarize,
+    target_logprob,
     top2_gap,
 )
 from specfork.bench.specs import ensure_plain, parse_strategies, parse_strategy
@@ -408,6 +409,18 @@ def test_failed_strategy_is_recorded(tiny_folder: Path) -> None:
     assert len(results.measurements) == 2
     gap = top2_gap(loaded, results.prompts[0].ids)
     assert gap >= 0
+    # the output's mean log-probability under the target, by hand: one step at a time
+    prompt = list(results.prompts[0].ids)
+    out = next(m.output.token_ids for m in results.measurements if m.ok)
+    ctx, total = list(prompt), 0.0
+    for t in out:
+        cache = loaded.model.new_cache(len(ctx) + 4)
+        total += float(loaded.model.extend(ctx, cache).log_softmax(-1)[t])
+        ctx.append(t)
+    assert target_logprob(loaded, prompt, out) == pytest.approx(total / len(out), abs=1e-4)
+    assert target_logprob(loaded, prompt, []) is None
+    ar = results.summary["ar"]["overall"]["target_logprob"]
+    assert ar is not None and ar <= 0
 
 
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="plots need matplotlib")

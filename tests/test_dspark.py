@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from distribution import chi2_sf, chi2_stat
 from specfork.config import SpecConfig
 from specfork.dspark import EMA_START, DSparkPolicy, block_signals
 from specfork.errors import ConfigError
@@ -214,21 +215,6 @@ def _speculative_sequences(
     return out, used
 
 
-def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Chi-square statistic and degrees of freedom, bins merged to expected counts >= 5."""
-    expected = probs * counts.sum()
-    order = expected.argsort(descending=True)
-    stat, bins, acc_o, acc_e = 0.0, 0, 0.0, 0.0
-    for o, e in zip(counts[order].tolist(), expected[order].tolist(), strict=True):
-        acc_o, acc_e = acc_o + o, acc_e + e
-        if acc_e >= 5:
-            stat += (acc_o - acc_e) ** 2 / acc_e
-            bins, acc_o, acc_e = bins + 1, 0.0, 0.0
-    if acc_e > 0 and bins:  # the small tail joins the last bin's test as one more cell
-        stat += (acc_o - acc_e) ** 2 / max(acc_e, 5.0)
-    return stat, max(bins - 1, 1)
-
-
 def _position_pvalue(seqs: torch.Tensor, p: torch.Tensor, position: int) -> float:
     """Fit of the token at `position` to p given the token before (start token 0 at 0)."""
     prev = seqs[:, position - 1] if position else torch.zeros(len(seqs), dtype=torch.long)
@@ -236,9 +222,9 @@ def _position_pvalue(seqs: torch.Tensor, p: torch.Tensor, position: int) -> floa
     for c in prev.unique().tolist():
         counts = torch.bincount(seqs[prev == c, position], minlength=p.shape[1]).double()
         if counts.sum() >= 50:
-            s, d = _chi2(counts, p[c].double())
+            s, d = chi2_stat(counts, p[c].double())
             stat, dof = stat + s, dof + d
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+    return chi2_sf(stat, dof)
 
 
 def test_sampling_with_dspark_variable_k_keeps_the_target_distribution() -> None:

@@ -246,3 +246,13 @@ def test_sampling_params_unused_by_chains_are_greedy() -> None:
     from specfork.drafters.forks import GREEDY
 
     assert SamplingParams() == GREEDY and GREEDY.greedy
+
+
+@pytest.mark.parametrize("persist", [False, True])
+def test_recycle_table_persists_across_requests_only_when_asked(persist: bool) -> None:
+    drafter = ForkDrafter(V, recycle=True, chains={}, persist=persist)
+    drafter.begin([1])
+    drafter.observe(torch.tensor([1]), torch.arange(V, dtype=torch.float32)[None])  # [1, V]
+    assert drafter.table is not None and drafter.table.candidates(1, 1) == [V - 1]
+    drafter.begin([2])  # the next request
+    assert drafter.table.candidates(1, 1) == ([V - 1] if persist else [])

@@ -51,6 +51,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from distribution import (
+    chi2_sf,
+    clamped_residual,
+    goodness_of_fit,
+    p_itself,
+    tv_noise,
+    unclamped_residual,
+)
 from specfork.config import SamplingParams
 from specfork.sampling import probabilities
 from specfork.verify import Verdict, one_hot_q, verify_greedy, verify_sampling
@@ -60,7 +68,6 @@ TV_MAX = 0.01  # total-variation bound at position 0
 SIGMAS = 5.0  # tolerance of the acceptance rates, in binomial standard deviations
 ROUNDS = 25_000  # rounds per distribution configuration (see the module docstring)
 CONTROL_ROUNDS = 100_000  # rounds per negative control (batched, see below)
-MIN_COUNT = 5.0  # minimum expected count per chi-square bin
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -139,50 +146,11 @@ def test_verify_sampling_is_reproducible_with_a_seed():
 # ------------------------------------------------------------------- statistical checks
 
 
-def chi2_sf(stat: float, df: int) -> float:
-    """Survival function of the chi-square distribution: Q(df / 2, stat / 2)."""
-    a = torch.tensor(df / 2, dtype=torch.float64)
-    x = torch.tensor(stat / 2, dtype=torch.float64)
-    return float(torch.special.gammaincc(a, x))
-
-
 def test_chi2_sf_matches_tables():
     assert chi2_sf(3.841459, 1) == pytest.approx(0.05, abs=1e-6)
     assert chi2_sf(18.307038, 10) == pytest.approx(0.05, abs=1e-6)
     assert chi2_sf(10.827566, 1) == pytest.approx(1e-3, rel=1e-5)
     assert chi2_sf(0.0, 4) == 1.0
-
-
-def goodness_of_fit(counts: torch.Tensor, p: torch.Tensor) -> float:
-    """Chi-square p-value of observed counts [V] against probabilities p [V].
-
-    Tokens with p = 0 must never be observed (p-value 0 otherwise). Bins with an expected
-    count < MIN_COUNT are pooled into one bin; if the pool is still below MIN_COUNT it is
-    merged with the smallest remaining bin.
-    """
-    p = p.double() / p.double().sum()
-    n = float(counts.sum())
-    expected = p * n  # [V]
-    impossible = expected == 0
-    if counts[impossible].sum() > 0:
-        return 0.0
-    obs = counts[~impossible].double()  # [B]
-    exp = expected[~impossible]  # [B]
-    order = exp.argsort()
-    obs, exp = obs[order], exp[order]
-    small = exp < MIN_COUNT
-    if small.any():
-        pool_obs, pool_exp = obs[small].sum(), exp[small].sum()
-        obs, exp = obs[~small], exp[~small]
-        if pool_exp < MIN_COUNT and exp.numel() > 0:
-            pool_obs, pool_exp = pool_obs + obs[0], pool_exp + exp[0]
-            obs, exp = obs[1:], exp[1:]
-        obs = torch.cat([pool_obs.view(1), obs])
-        exp = torch.cat([pool_exp.view(1), exp])
-    if exp.numel() < 2:
-        return 1.0  # a single bin: nothing to test beyond the impossible tokens
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    return chi2_sf(stat, exp.numel() - 1)
 
 
 def test_goodness_of_fit_detects_and_accepts():
@@ -200,12 +168,6 @@ def test_goodness_of_fit_detects_and_accepts():
     bad = good.clone()
     bad[7] = 1  # one masked token observed
     assert goodness_of_fit(bad, p) == 0.0
-
-
-def tv_noise(p: torch.Tensor, n: int) -> float:
-    """Expected TV between p and an n-sample empirical distribution (normal approximation)."""
-    p = p.double()
-    return 0.5 * math.sqrt(2 / (math.pi * n)) * float((p * (1 - p)).sqrt().sum())
 
 
 @dataclass(frozen=True)
@@ -376,24 +338,6 @@ def test_verify_sampling_with_one_hot_q_is_distributed_as_p():
 # The same `check` must pass the correct batched reference and fail each broken variant.
 
 Residual = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def clamped_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Correct: normalise(max(0, p - q))."""
-    r = (p - q).clamp_min(0)
-    return r / r.sum()
-
-
-def p_itself(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Broken: on rejection resample from p instead of the residual."""
-    return p
-
-
-def unclamped_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Broken: residual not clamped at zero; |p - q| keeps the negative part as mass where
-    q > p (a valid distribution, so sampling works, but the wrong one)."""
-    r = (p - q).abs()
-    return r / r.sum()
 
 
 def batched_verify(

@@ -48,6 +48,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from distribution import (
+    chi2_sf,
+    chi2_stat,
+    clamped_residual,
+    p_itself,
+    tv_noise,
+    unclamped_residual,
+)
 from specfork.config import SamplingParams
 from specfork.errors import ConfigError
 from specfork.sampling import probabilities
@@ -67,7 +75,6 @@ TV_MAX = 0.01  # total-variation bound at position 0
 SIGMAS = 5.0  # tolerance of the acceptance rate, in binomial standard deviations
 ROUNDS = 25_000  # library rounds per configuration (see the module docstring)
 CONTROL_ROUNDS = 100_000  # rounds per batched control
-MIN_COUNT = 5.0  # minimum expected count per chi-square bin
 MIN_ROUNDS = 1_000  # a position is tested when at least this many rounds reached it
 
 
@@ -273,70 +280,6 @@ def test_sampling_is_reproducible_with_a_seed():
 
 
 # ------------------------------------------------------------------ statistical machinery
-
-
-def chi2_sf(stat: float, df: int) -> float:
-    """Survival function of the chi-square distribution, Q(df / 2, stat / 2) (no scipy here)."""
-    if df <= 0:
-        return 1.0
-    a = torch.tensor(df / 2, dtype=torch.float64)
-    return float(torch.special.gammaincc(a, torch.tensor(stat / 2, dtype=torch.float64)))
-
-
-def test_chi2_sf_matches_tables():
-    assert chi2_sf(3.841459, 1) == pytest.approx(0.05, abs=1e-6)
-    assert chi2_sf(18.307038, 10) == pytest.approx(0.05, abs=1e-6)
-    assert chi2_sf(10.827566, 1) == pytest.approx(1e-3, rel=1e-5)
-
-
-def chi2_stat(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, int]:
-    """Chi-square statistic and degrees of freedom of counts [V] against p [V].
-
-    Bins with expected count < MIN_COUNT are pooled (and the pool merged with the smallest
-    other bin if still too small). A token with p = 0 that was observed gives an infinite
-    statistic.
-    """
-    p = p.double() / p.double().sum()
-    expected = p * float(counts.sum())  # [V]
-    impossible = expected == 0
-    if counts[impossible].sum() > 0:
-        return math.inf, 1
-    obs, exp = counts[~impossible].double(), expected[~impossible]
-    order = exp.argsort()
-    obs, exp = obs[order], exp[order]
-    small = exp < MIN_COUNT
-    if small.any():
-        pool_obs, pool_exp = obs[small].sum(), exp[small].sum()
-        obs, exp = obs[~small], exp[~small]
-        if pool_exp < MIN_COUNT and exp.numel() > 0:
-            pool_obs, pool_exp = pool_obs + obs[0], pool_exp + exp[0]
-            obs, exp = obs[1:], exp[1:]
-        obs, exp = torch.cat([pool_obs.view(1), obs]), torch.cat([pool_exp.view(1), exp])
-    if exp.numel() < 2:
-        return 0.0, 0
-    return float(((obs - exp) ** 2 / exp).sum()), exp.numel() - 1
-
-
-def test_chi2_stat_detects_and_accepts():
-    g = torch.Generator().manual_seed(0)
-    p = torch.softmax(torch.randn(50, generator=g), -1)
-    p[7] = 0.0
-    p /= p.sum()
-    good = torch.bincount(torch.multinomial(p, 20_000, True, generator=g), minlength=50)
-    assert chi2_sf(*chi2_stat(good, p)) > ALPHA
-    skewed = p.clone()
-    skewed[p.argmax()] *= 1.1
-    bad = torch.bincount(torch.multinomial(skewed, 20_000, True, generator=g), minlength=50)
-    assert chi2_sf(*chi2_stat(bad, p)) < ALPHA
-    bad = good.clone()
-    bad[7] = 1  # one masked token observed
-    assert chi2_sf(*chi2_stat(bad, p)) == 0.0
-
-
-def tv_noise(p: torch.Tensor, n: int) -> float:
-    """Expected TV between p and an n-sample empirical distribution (normal approximation)."""
-    p = p.double()
-    return 0.5 * math.sqrt(2 / (math.pi * n)) * float((p * (1 - p)).sqrt().sum())
 
 
 @dataclass(frozen=True)
@@ -556,23 +499,6 @@ def test_masked_deterministic_child_is_never_accepted():
 # ----------------------------------------------------------------------- negative controls
 
 
-def clamped_residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Correct: normalise(max(0, r - q)); for a one-hot q this zeroes the rejected token."""
-    res = (r - q).clamp_min(0)
-    return res / res.sum()
-
-
-def unchanged(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Broken: after a rejection keep r (resample from p; a rejected fixed token not zeroed)."""
-    return r
-
-
-def unclamped_residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Broken: |r - q| keeps the negative part as mass where q > r."""
-    res = (r - q).abs()
-    return res / res.sum()
-
-
 def batched_star(
     drafts: torch.Tensor,
     world: World,
@@ -620,7 +546,7 @@ CONTROL_CONFIGS = [
 ]  # fmt: skip
 CONTROLS = {
     "always-accept": {"accept_all": True},
-    "resample-from-p": {"residual_of": unchanged},  # for fixed tokens: rejected not zeroed
+    "resample-from-p": {"residual_of": p_itself},  # for fixed tokens: rejected not zeroed
     "residual-unclamped": {"residual_of": unclamped_residual},
 }
 
@@ -656,7 +582,7 @@ def test_library_harness_detects_a_broken_per_call_verifier():
     world = cfg.world()
 
     def broken(tree: Tree, p: torch.Tensor, q: torch.Tensor, gen: torch.Generator):
-        out = batched_star(tree.tokens[None], world, list(q), gen, residual_of=unchanged)[0]
+        out = batched_star(tree.tokens[None], world, list(q), gen, residual_of=p_itself)[0]
         if out[1] < 0:
             return TreeVerdict([], [int(out[0])])
         return TreeVerdict([int((tree.tokens == out[0]).nonzero()[0])], out.tolist())

@@ -107,6 +107,8 @@ def _add_spork_flags(p: argparse.ArgumentParser) -> None:
                    help="acceptance the tau controller steers toward (default 0.7)")  # fmt: skip
     g.add_argument("--no-adapt", dest="adapt", action="store_false",
                    help="keep forks, depth and tau fixed")  # fmt: skip
+    g.add_argument("--recycle-persist", action="store_true",
+                   help="keep the recycle table across requests (Token Recycling)")  # fmt: skip
     g.add_argument("--lossy-typical", action="store_true",
                    help="LOSSY: Medusa typical acceptance, not exact verification")  # fmt: skip
     g.add_argument("--typical-epsilon", type=float, default=d.typical_epsilon,
@@ -156,6 +158,7 @@ def spec_from_args(args: argparse.Namespace, expected_length: int) -> SpecConfig
         weights=args.weights, ema_rate=args.ema_rate,
         forks=args.forks, depth=args.depth, tree=args.tree, budget=args.budget, tau=args.tau,
         target_acceptance=args.target_acceptance, adapt=args.adapt,
+        recycle_persist=args.recycle_persist,
         lossy_typical=args.lossy_typical, typical_epsilon=args.typical_epsilon,
         typical_delta=args.typical_delta,
     )  # fmt: skip

@@ -246,6 +246,7 @@ class SpecConfig:
     tau: float = 0.0
     target_acceptance: float = 0.7
     adapt: bool = True
+    recycle_persist: bool = False  # keep the recycle table across requests (Token Recycling)
     lossy_typical: bool = False
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3

@@ -1,8 +1,10 @@
 """The side-by-side benchmark: warm-up, interleaved measurements, greedy matches, medians.
 
-Order of work (`run_interleaved`): a warm-up (each strategy runs `warmup` times, on the first
-prompts), then the prompts in order; for each prompt every repeat runs every strategy once,
-one after the other, and each repeat starts one strategy later than the one before (a rotation),
+Order of work (`run_interleaved`): a warm-up (each strategy runs `warmup` times on a warm-up
+prompt that is not measured — so nothing a drafter learns there, such as SPORK's recycle
+table, is about a measured prompt), then the prompts in order; for each prompt every repeat
+runs every strategy once, one after the other, and each repeat starts one strategy later than
+the one before (a rotation),
 so no strategy always runs first after a prompt change. Machine drift thus hits all strategies
 alike, and a speedup compares runs minutes, not hours, apart.
 
@@ -48,7 +50,7 @@ from rich.progress import (
 from specfork import __version__
 from specfork.bench.prompts import BenchPrompt
 from specfork.bench.specs import StrategySpec
-from specfork.config import GenerationConfig, SamplingParams
+from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.errors import ConfigError, PromptError
 
 NEAR_TIE = 0.25  # top-2 logit gap: two bf16 steps at logits of magnitude 16-32
@@ -65,6 +67,7 @@ FIGURES: tuple[tuple[str, str, str], ...] = (
     ("wasted_drafts_per_token", "wasted drafts/token", "{:.2f}"),
     ("greedy_match_rate", "greedy match", "{:.0%}"),
     ("exact_match_rate", "exact match", "{:.0%}"),
+    ("target_logprob", "target log p/token", "{:.3f}"),
     ("peak_rss_mb", "peak RSS (MB)", "{:.0f}"),
 )
 _PER_RUN = (
@@ -310,6 +313,21 @@ def specfork_runner(
     return run
 
 
+def target_logprob(loaded: Any, prompt: Sequence[int], output: Sequence[int]) -> float | None:
+    """Mean log-probability the target gives each output token after the prompt and the
+    output before it (one forward): how far a lossy strategy drifted from what the target
+    itself would say (plain greedy maximises each step's term)."""
+    if not output:
+        return None
+    with torch.inference_mode():
+        cache = loaded.model.new_cache(len(prompt) + len(output) + 8)
+        ids = [*prompt, *output]
+        logits = loaded.model.extend(ids[:-1], cache, last_only=False)  # [P + O - 1, V]
+        logp = logits[len(prompt) - 1 :].log_softmax(-1)  # [O, V]
+        target = torch.tensor(list(output), device=logp.device)  # [O]
+        return float(logp.gather(-1, target[:, None]).mean())
+
+
 def top2_gap(loaded: Any, ids: Sequence[int]) -> float:
     """The target's top-2 logit gap after `ids` (one prefill, a fresh cache)."""
     with torch.inference_mode():
@@ -383,6 +401,15 @@ class LiveProgress:
             self._progress.update(self._task, speedups=escape(text))
 
 
+def _persistent_recycle(spec: SpecConfig | None) -> bool:
+    if spec is None or spec.strategy != "spork":
+        return False
+    return "recycle" in spec.drafter.split("+") and spec.recycle_persist
+
+
+WARMUP_TEXT = "Explain in a few sentences how a bicycle stays upright."  # never measured
+
+
 def run_order(n_strategies: int, repeat: int) -> list[int]:
     """Strategy indices in the order repeat `repeat` runs them (rotated by the repeat)."""
     return [(repeat + i) % n_strategies for i in range(n_strategies)]
@@ -397,6 +424,7 @@ def run_interleaved(
     reference: str = "ar",
     progress: LiveProgress | None = None,
     measure_memory: bool = True,
+    warmup_prompt: PreparedPrompt | None = None,
 ) -> list[Measurement]:
     """Measure every ready strategy on every prompt; see the module docstring for the order."""
     ready = [s for s in strategies if s.ok]
@@ -406,7 +434,7 @@ def run_interleaved(
     running: dict[str, list[float]] = {}
     with progress.running(total):
         for w in range(warmup if prompts else 0):
-            p = prompts[w % len(prompts)]
+            p = warmup_prompt or prompts[w % len(prompts)]
             for s in ready:
                 progress.describe(f"warm-up {w + 1}/{warmup} · {s.label}")
                 if s.error is None:
@@ -484,11 +512,13 @@ def per_prompt_figures(
     gap_fn: Callable[[list[int]], float] | None = None,
     greedy: bool = True,
     near_tie: float = NEAR_TIE,
+    logprob_fn: Callable[[list[int], list[int]], float | None] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (strategy, prompt): medians over the repeats, speedup, greedy match.
 
     `gap_fn(context_ids)` gives the target's top-2 logit gap after a context; without it (or
-    when sampling) greedy matches are not judged.
+    when sampling) greedy matches are not judged. `logprob_fn(prompt, output)` scores the
+    first repeat's output under the target (`target_logprob`).
     """
     by_key: dict[tuple[str, int], list[Measurement]] = {}
     for m in measurements:
@@ -524,6 +554,9 @@ def per_prompt_figures(
             if ok and ref_ids is not None and greedy and gap_fn is not None:
                 first = min(ok, key=lambda m: m.repeat).output.token_ids  # type: ignore[union-attr]
                 match = compare_greedy(ref_ids, first, gap_at, near_tie)
+            first_out = min(ok, key=lambda m: m.repeat).output if ok else None
+            score = logprob_fn if logprob_fn is not None and first_out is not None else None
+            row["target_logprob"] = score(list(p.ids), first_out.token_ids) if score else None  # type: ignore[union-attr]
             row["greedy_match"] = match.status if match else None
             row["divergence_position"] = match.position if match else None
             row["top2_gap"] = match.gap if match else None
@@ -542,8 +575,8 @@ def summarize(
         for cat in [*categories, OVERALL]:
             sel = [r for r in rows if r["strategy"] == label and cat in (r["category"], OVERALL)]
             cell: dict[str, Any] = {"prompts": len(sel), "failed": sum(r["failed"] for r in sel)}
-            for key in (*_PER_RUN, "speedup"):
-                cell[key] = _median([r[key] for r in sel])
+            for key in (*_PER_RUN, "speedup", "target_logprob"):
+                cell[key] = _median([r.get(key) for r in sel])
             judged = [r["greedy_match"] for r in sel if r["greedy_match"] is not None]
             cell["greedy_match_rate"] = (
                 sum(j in ("exact", "near-tie") for j in judged) / len(judged) if judged else None
@@ -685,15 +718,23 @@ def run_benchmark(
                                 progress=False)  # fmt: skip
     generator = Generator(loaded)
     reference = next(s.label for s in specs if s.is_plain)
+    if settings.repeats > 1 and any(_persistent_recycle(s.spec) for s in specs):
+        notes.append(
+            "recycle tables persist across requests: a repeat of a prompt drafts from a table "
+            "that learned that prompt's earlier run; measure with recycle_persist=false or "
+            "--repeats 1 for figures free of that"
+        )
     strategies = _build_strategies(specs, loaded, generator, settings, config, sampling, notes)
     prompts = [
         PreparedPrompt(i, p, generator.encode_prompt(p.text))
         for i, p in enumerate(settings.prompts)
     ]
     progress = LiveProgress(console, enabled=show_progress and console is not None)
+    warmup = BenchPrompt("warm-up", "warm-up", WARMUP_TEXT)
     measurements = run_interleaved(
         strategies, prompts, repeats=settings.repeats, warmup=settings.warmup,
         reference=reference, progress=progress,
+        warmup_prompt=PreparedPrompt(-1, warmup, generator.encode_prompt(WARMUP_TEXT)),
     )  # fmt: skip
     for s in strategies:
         if s.error and not s.skipped:
@@ -708,6 +749,7 @@ def run_benchmark(
         measurements, labels, prompts, reference=reference,
         gap_fn=lambda ctx: top2_gap(loaded, ctx), greedy=sampling.greedy,
         near_tie=settings.near_tie,
+        logprob_fn=lambda prompt, out: target_logprob(loaded, prompt, out),
     )  # fmt: skip
     return BenchResults(
         settings=settings, machine=machine_info(str(loaded.model.dtype).removeprefix("torch."),

@@ -4,6 +4,9 @@ Sources (joined by "+" in `--drafter`):
 - recycle: Token Recycling's table of the target's own past top-k predictions
   (`RecycleTable`), updated from every verification and seeded from the prompt's prefill
   logits — no extra forward pass at all. It grows the requested shape (forks or dynamic).
+  By default every request starts with an empty table (so a seeded sampled run is
+  reproducible on its own); `persist=True` keeps it across requests as Token Recycling does
+  (greedy output does not depend on it; on the dev prompts it did not measurably help).
 - ngram, self, model:PATH: a chain drafter; its greedy chain (up to the depth) becomes one
   more branch.
 
@@ -30,17 +33,24 @@ class ForkDrafter:
     """Grows a draft tree for every SPORK round (see the module docstring)."""
 
     def __init__(
-        self, vocab_size: int, *, recycle: bool, chains: dict[str, Drafter], width: int = 8
+        self,
+        vocab_size: int,
+        *,
+        recycle: bool,
+        chains: dict[str, Drafter],
+        width: int = RECYCLE_WIDTH,
+        persist: bool = False,
     ) -> None:
         self.table = RecycleTable(vocab_size, width) if recycle else None
+        self.persist = persist
         self.chains = chains
         self.name = "+".join([*(["recycle"] if recycle else []), *chains])
         self.wants_prefill_logits = recycle
         self.forwards = 0
 
     def begin(self, prompt_ids: list[int]) -> None:
-        if self.table is not None:
-            self.table.reset()  # per request, so a seeded sampling run is reproducible
+        if self.table is not None and not self.persist:
+            self.table.reset()
         for chain in self.chains.values():
             chain.begin(prompt_ids)
 

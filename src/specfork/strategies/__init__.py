@@ -46,7 +46,9 @@ def build_fork_drafter(spec: SpecConfig, target: LoadedModel) -> ForkDrafter:
         for name in dict.fromkeys(sources)
         if name != "recycle"
     }
-    return ForkDrafter(target.model.config.vocab_size, recycle="recycle" in sources, chains=chains)
+    vocab = target.model.config.vocab_size
+    recycle = "recycle" in sources
+    return ForkDrafter(vocab, recycle=recycle, chains=chains, persist=spec.recycle_persist)
 
 
 def build_drafter(spec: SpecConfig, target: LoadedModel) -> Drafter:
