@@ -28,14 +28,14 @@ def test_node_scores_multiply_inverse_sibling_ranks() -> None:
 
 def test_cap_drops_nodes_below_tau_and_their_subtrees() -> None:
     tree = Tree([5, 6, 7, 8, 9, 10], [-1, -1, 0, 0, -1, 1])
-    capped = _cap(tree, tau=0.5, max_nodes=100)  # node 4 (1/3) goes; 1 (1/2) stays with 5
+    capped = _cap(tree, node_scores(tree), tau=0.5, max_nodes=100)  # 4 (1/3) goes, 1 (1/2) stays
     assert capped.tokens.tolist() == [5, 6, 7, 8, 10]
     assert capped.parents.tolist() == [-1, -1, 0, 0, 1]
 
 
 def test_cap_keeps_the_best_nodes_and_their_ancestors() -> None:
     tree = Tree([5, 6, 7, 8, 9], [-1, 0, 1, -1, 3])  # chain 5-6-7 (score 1), fork 8-9 (1/2)
-    capped = _cap(tree, tau=0.0, max_nodes=4)
+    capped = _cap(tree, node_scores(tree), tau=0.0, max_nodes=4)
     assert capped.tokens.tolist() == [5, 6, 7, 8]
     assert set(capped.parents.tolist()) <= {-1, 0, 1}
 
@@ -256,3 +256,29 @@ def test_recycle_table_persists_across_requests_only_when_asked(persist: bool) -
     assert drafter.table is not None and drafter.table.candidates(1, 1) == [V - 1]
     drafter.begin([2])  # the next request
     assert drafter.table.candidates(1, 1) == ([V - 1] if persist else [])
+
+
+@pytest.mark.slow
+def test_model_forks_are_batched_greedy_continuations(smollm_f32) -> None:
+    """Each fork equals a greedy continuation computed on its own, one fresh forward per step:
+    the batched step with the fork mask over the shared prefix cache is exact."""
+    from specfork.drafters.model import ModelDrafter
+
+    model = smollm_f32.model
+    layers = list(range(0, 20))
+    drafter = ModelDrafter(model, layers=layers, name="self")
+    history = smollm_f32.tokenizer.encode("The three primary colours are red, blue and")
+    drafter.begin(history)
+    paths, probs, forwards = drafter.propose_forks(history, forks=3, depth=4)
+    assert forwards == 4 and len(paths) == 3 and all(len(p) == 4 for p in paths)
+    assert len({p[0] for p in paths}) == 3  # distinct first tokens, best first
+    with torch.inference_mode():
+        for path, prob in zip(paths, probs, strict=True):
+            assert prob == sorted(prob, reverse=True)  # cumulative probabilities shrink
+            for i in range(1, len(path)):
+                cache = model.new_cache(len(history) + 8)
+                logits = model.extend([*history, *path[:i]], cache, layers=layers)
+                assert int(logits.argmax()) == path[i]
+                step = float(logits.softmax(-1).max())
+                assert prob[i] == pytest.approx(prob[i - 1] * step, rel=1e-4)
+    assert drafter.cache.length == len(history)  # the fork tokens left the cache again

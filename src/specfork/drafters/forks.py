@@ -7,8 +7,10 @@ Sources (joined by "+" in `--drafter`):
   By default every request starts with an empty table (so a seeded sampled run is
   reproducible on its own); `persist=True` keeps it across requests as Token Recycling does
   (greedy output does not depend on it; on the dev prompts it did not measurably help).
-- ngram, self, model:PATH: a chain drafter; its greedy chain (up to the depth) becomes one
-  more branch.
+- ngram: its chain (up to the depth) becomes one more branch (prior score 1).
+- self, model:PATH: a model drafter proposes `forks` forks of its own: its top-K first
+  tokens, each continued greedily, drafted as a batch over its shared prefix cache; a node's
+  score is its cumulative draft probability.
 
 Chains are added first, so a chain that agrees with the recycled forks shares their nodes, and
 every proposal is deterministic: verification treats it as one-hot q, which is lossless for any
@@ -21,6 +23,7 @@ import torch
 
 from specfork.config import SamplingParams
 from specfork.drafters.base import Draft, Drafter
+from specfork.drafters.model import ModelDrafter
 from specfork.drafters.recycle import RecycleTable
 from specfork.spork import TreeShape, node_scores
 from specfork.tree import Tree, TreeBuilder, prune
@@ -65,16 +68,25 @@ class ForkDrafter:
         """A tree below history[-1], at most `max_depth` deep and `max_nodes` nodes."""
         depth = min(shape.depth, max_depth)
         builder = TreeBuilder()
+        scores: dict[int, float] = {}  # node -> best prior score over the sources proposing it
         forwards = 0
         if depth >= 1:
             rng = torch.Generator()  # unused: chains draft greedily (deterministic)
             for chain in self.chains.values():
-                draft = chain.propose(history, depth, GREEDY, rng)
-                forwards += draft.forwards
-                builder.add_path(draft.tokens.tolist())
+                if isinstance(chain, ModelDrafter):
+                    paths, probs, n = chain.propose_forks(history, shape.forks, depth)
+                    forwards += n
+                    for path, prob in zip(paths, probs, strict=True):
+                        _add_path(builder, scores, path, prob)
+                else:
+                    draft = chain.propose(history, depth, GREEDY, rng)
+                    forwards += draft.forwards
+                    _add_path(builder, scores, draft.tokens.tolist(), [1.0] * len(draft))
             if self.table is not None:
-                self._add_tree(builder, self._recycled(history[-1], shape, depth))
-        tree = _cap(builder.build(), shape.tau, min(shape.budget, max_nodes))
+                self._add_tree(builder, scores, self._recycled(history[-1], shape, depth))
+        built = builder.build()
+        prior = torch.tensor([scores[i] for i in range(len(built))], dtype=torch.float64)  # [N]
+        tree = _cap(built, prior, shape.tau, min(shape.budget, max_nodes))
         return Draft(tokens=tree.tokens, parents=tree.parents, forwards=forwards), tree
 
     def _recycled(self, root: int, shape: TreeShape, depth: int) -> Tree:
@@ -84,21 +96,34 @@ class ForkDrafter:
         return self.table.build_forks(root, shape.forks, depth)
 
     @staticmethod
-    def _add_tree(builder: TreeBuilder, tree: Tree) -> None:
+    def _add_tree(builder: TreeBuilder, scores: dict[int, float], tree: Tree) -> None:
         index: list[int] = []  # tree node -> builder node
-        for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist(), strict=True):
+        prior = node_scores(tree).tolist()  # [N] rank priors within the recycled tree
+        rows = zip(tree.tokens.tolist(), tree.parents.tolist(), prior, strict=True)
+        for token, parent, score in rows:
             index.append(builder.add(-1 if parent < 0 else index[parent], token))
+            scores[index[-1]] = max(scores.get(index[-1], 0.0), score)
 
     def rollback(self, length: int) -> None:
         for chain in self.chains.values():
             chain.rollback(length)
 
 
-def _cap(tree: Tree, tau: float, max_nodes: int) -> Tree:
-    """Drop nodes scoring below τ, then keep the `max_nodes` best (ancestors always kept)."""
+def _add_path(
+    builder: TreeBuilder, scores: dict[int, float], tokens: list[int], prior: list[float]
+) -> None:
+    for node, score in zip(builder.add_path(tokens), prior, strict=True):
+        scores[node] = max(scores.get(node, 0.0), score)
+
+
+def _cap(tree: Tree, scores: torch.Tensor, tau: float, max_nodes: int) -> Tree:
+    """Drop nodes scoring below τ, then keep the `max_nodes` best (ancestors always kept).
+
+    scores [N] never exceed a node's parent's score within one source, and a merged node
+    keeps its best source's score, so the kept set is closed under ancestors.
+    """
     if len(tree) == 0:
         return tree
-    scores = node_scores(tree)  # [N]
     keep = scores >= tau
     if int(keep.sum()) > max_nodes:
         # a node scores at most its parent, so the best max_nodes (ties: earlier) are closed

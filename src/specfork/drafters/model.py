@@ -81,6 +81,44 @@ class ModelDrafter:
             forwards=budget,
         )
 
+    def propose_forks(
+        self, history: list[int], forks: int, depth: int
+    ) -> tuple[list[list[int]], list[list[float]], int]:
+        """`forks` forks up to `depth` tokens deep, and each token's cumulative probability.
+
+        Fork j starts with the drafter's j-th most likely next token and is continued greedily;
+        every depth step runs all forks' tokens so far as one batch over the shared prefix cache
+        (a mask keeps each fork to the prefix and its own tokens), then drops them from the
+        cache again — never K copies of the prefix. Returns (paths, cumulative q, forwards).
+        """
+        self._ensure_room(len(history) + forks * depth + 1)
+        if self.cache.length >= len(history):  # need the last token's logits again
+            self.cache.truncate(len(history) - 1)
+        logits = self.model.extend(history[self.cache.length :], self.cache, layers=self.layers)
+        prefix = self.cache.length
+        top = logits.float().softmax(-1).topk(forks)  # K best first tokens and their q
+        paths = [[int(t)] for t in top.indices]
+        probs = [[float(q)] for q in top.values]
+        for _ in range(depth - 1):
+            logits = self._fork_step(paths, prefix)  # [K, V]
+            q = logits.float().softmax(-1).max(-1)  # greedy continuation of every fork
+            for j, token in enumerate(q.indices.tolist()):
+                paths[j].append(token)
+                probs[j].append(probs[j][-1] * float(q.values[j]))
+        return paths, probs, depth
+
+    def _fork_step(self, paths: list[list[int]], prefix: int) -> torch.Tensor:
+        """Logits [K, V] after each fork's last token (forks batched over the prefix cache)."""
+        dev = self.model.device
+        fork = torch.tensor([j for j, p in enumerate(paths) for _ in p], device=dev)  # [T]
+        step = torch.tensor([i for p in paths for i in range(len(p))], device=dev)  # [T]
+        tokens = torch.tensor([t for p in paths for t in p], device=dev)  # [T]
+        mask = (fork[:, None] == fork[None, :]) & (step[None, :] <= step[:, None])  # [T, T]
+        hidden = self.model(tokens[None], prefix + step, self.cache, mask=mask, layers=self.layers)
+        self.cache.truncate(prefix)
+        last = torch.tensor([sum(len(p) for p in paths[: j + 1]) - 1 for j in range(len(paths))])
+        return self.model.logits(hidden[0, last.to(dev)])  # [K, V]
+
     def rollback(self, length: int) -> None:
         self.cache.truncate(min(self.cache.length, length))
 
