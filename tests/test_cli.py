@@ -23,6 +23,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from cli_run import run_cli as _run
 from specfork.cli import main
 from specfork.config import GenerationConfig, SamplingParams
 from specfork.engine import Generator
@@ -63,12 +64,6 @@ def shared_model(monkeypatch: pytest.MonkeyPatch, smollm_f32: LoadedModel) -> Lo
 
     monkeypatch.setattr(loader, "load_model", load)
     return smollm_f32
-
-
-def _run(capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, str, str]:
-    code = main(args)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _assert_user_error(code: int, out: str, err: str, words: list[str]) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_run import run_cli as _run
 from specfork.cli import main
 
 PROMPT = "Repeat exactly: one two three, one two three, one two three."
@@ -13,12 +14,6 @@ DSPARK_FIELDS = {
     *("round", "position", "k", "drafted", "accepted", "emitted", "first_rejected"),
     *("top1", "margin", "ema", "confidence", "next_k", "first_rejection_rate"),
 }
-
-
-def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
-    code = main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize(

@@ -6,16 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_run import run_cli as _run
 from specfork.cli import main, read_first_turns
 from specfork.errors import SpecforkError
 
 PROMPT = "Repeat exactly: one two three, one two three, one two three."
-
-
-def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
-    code = main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize(

@@ -5,15 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from specfork.cli import main
+from cli_run import run_cli as _run
 
 PROMPT = "Repeat exactly: one two three, one two three, one two three."
-
-
-def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
-    code = main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize(

@@ -352,23 +352,9 @@ def _scan_self(args: argparse.Namespace, err: Console) -> int:
 
 def read_first_turns(path: Path) -> list[str]:
     """First user turns of a Spec-Bench JSONL file (errors name the line)."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise SpecforkError(f"cannot read the prompt file {path}: {exc}") from exc
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            prompts.append(str(json.loads(line)["turns"][0]))
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise SpecforkError(
-                f"{path}:{number}: not a Spec-Bench line with a 'turns' list ({exc})"
-            ) from exc
-    if not prompts:
-        raise SpecforkError(f"the prompt file {path} has no prompts")
-    return prompts
+    from specfork.bench.prompts import load_prompts
+
+    return [p.text for p in load_prompts(path)]
 
 
 def _models(args: argparse.Namespace) -> int:
