@@ -17,6 +17,7 @@ PROMPT = "Repeat exactly: one two three, one two three, one two three."
         (["--depth", "0"], "depth must be an integer >= 1"),
         (["--budget", "3", "--depth", "4"], "smaller than the depth"),
         (["--tau", "1"], "tau must be in [0, 1)"),
+        (["--tau-max", "1.5"], "tau_max must be in [0, 1)"),
         (["--drafter", "recycle+nope"], "unknown spork drafter 'nope'"),
     ],
 )
@@ -67,3 +68,29 @@ def test_spork_trace_and_stats(capsys, tmp_path: Path, lossy: bool) -> None:
     assert any(r["accepted"] > 0 for r in records)
     assert "verify_share" in err
     assert ("LOSSY" in err) == lossy
+
+
+@pytest.mark.slow
+def test_self_drafted_dynamic_tree_traces_its_model_depth(capsys, tmp_path: Path) -> None:
+    """EAGLE-2 trees from the target's own layers; their depth adapts by cost (in the trace)."""
+    trace = tmp_path / "t.jsonl"
+    argv = ["generate", "--dtype", "float32", "--strategy", "spork", "--drafter", "self",
+            "--skip-layers", "10-19", "--tree", "dynamic", "--tau-max", "0.1",
+            "-n", "24", "--ignore-eos", "--trace", str(trace), PROMPT]  # fmt: skip
+    code, out, err = _run(capsys, argv)
+    assert code == 0 and out.strip(), err
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert all(1 <= r["model_depth"] <= r["depth"] for r in records)
+    assert all(r["tree_depth"] <= r["model_depth"] for r in records)  # self is the only source
+    assert all(r["tau"] <= 0.1 for r in records)
+
+
+def test_spork_flags_reach_the_config() -> None:
+    from specfork.cli import build_parser, spec_from_args
+
+    argv = ["generate", "--strategy", "spork", "--recycle-prior", "--tau-max", "0.2",
+            "--tree", "dynamic", "hi"]  # fmt: skip
+    spec = spec_from_args(build_parser().parse_args(argv), 64)
+    assert (spec.recycle_prior, spec.tau_max, spec.tree) == (True, 0.2, "dynamic")
+    plain = spec_from_args(build_parser().parse_args(["generate", "--strategy", "spork", "hi"]), 64)
+    assert (plain.recycle_prior, plain.tau_max) == (False, 0.0)

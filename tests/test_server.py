@@ -267,6 +267,11 @@ BAD = [
         "speculative.self_layers",
     ),
     ("completions", {"prompt": "hi", "speculative": "fast"}, "speculative"),
+    (
+        "completions",
+        {"prompt": "hi", "speculative": {"strategy": "spork", "recycle_prior": True}},
+        "speculative.recycle_prior",
+    ),
     ("completions", {"prompt": "hi", "max_token": 4}, "max_token"),
     ("completions", {"prompt": "hi", "logprobs": 5}, "logprobs"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),

@@ -117,6 +117,7 @@ EXACT_PLAN: dict[str, tuple[SpecConfig, tuple[int, ...]]] = {
     "spork-recycle-dynamic": (SpecConfig("spork", "recycle", tree="dynamic"), (0, 2, 7)),
     "spork-recycle+ngram": (SpecConfig("spork", "recycle+ngram"), (1, 3, 5)),
     "spork-recycle+self": (SpecConfig("spork", "recycle+self", skip_layers="10-19"), (4,)),
+    "spork-draft-model-dynamic": (SpecConfig("spork", DRAFT_MODEL, tree="dynamic"), (6,)),
 }
 IDENTICAL_DRAFTERS = ("self-layers-0-29-k3", "draft-model-k4", "dspark-draft-model")
 MODEL_DRAFTERS = (
@@ -296,7 +297,8 @@ def test_greedy_exactness(
     if spec.k_policy == "heuristic":
         assert len(s.drafted_by_position) > spec.k  # K grew after fully accepted drafts
     if spec.strategy == "spork":  # chains from a model cost forwards; recycled forks do not
-        assert (s.draft_forwards > 0) == ("self" in spec.drafter), s.to_dict()
+        model_drafted = "self" in spec.drafter or "model:" in spec.drafter
+        assert (s.draft_forwards > 0) == model_drafted, s.to_dict()
     elif name in MODEL_DRAFTERS:
         assert s.draft_forwards == s.drafted > 0  # one drafter forward per drafted token
     else:

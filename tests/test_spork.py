@@ -8,7 +8,7 @@ from specfork.drafters.base import Draft
 from specfork.drafters.forks import ForkDrafter, _cap
 from specfork.errors import ConfigError
 from specfork.policies import RoundInfo
-from specfork.spork import TAU_MAX, SporkPolicy, TreeShape, node_scores
+from specfork.spork import SporkPolicy, TreeShape, node_scores
 from specfork.tree import Tree, children, depths
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,6 +38,16 @@ def test_cap_keeps_the_best_nodes_and_their_ancestors() -> None:
     capped = _cap(tree, node_scores(tree), tau=0.0, max_nodes=4)
     assert capped.tokens.tolist() == [5, 6, 7, 8]
     assert set(capped.parents.tolist()) <= {-1, 0, 1}
+
+
+def test_tau_never_drops_the_best_first_guess() -> None:
+    """Cumulative draft probabilities all below τ: the best first-level node is still sent
+    (its own subtree below τ goes), so a round that paid for drafting verifies something."""
+    tree = Tree([5, 6, 7, 8], [-1, -1, 1, 2])
+    scores = torch.tensor([0.2, 0.3, 0.25, 0.1], dtype=torch.float64)  # [N]
+    capped = _cap(tree, scores, tau=0.5, max_nodes=24)
+    assert capped.tokens.tolist() == [6] and capped.parents.tolist() == [-1]
+    assert len(_cap(tree, scores, tau=0.0, max_nodes=0)) == 0  # no room: nothing
 
 
 # ----------------------------------------------------------------------------- fork drafter
@@ -171,14 +181,30 @@ def test_whole_forks_accepted_deepen_the_tree_within_bounds() -> None:
 
 
 def test_tau_moves_toward_the_target_acceptance() -> None:
-    pol = SporkPolicy(SpecConfig("spork", tau=0.2, target_acceptance=0.7))
+    pol = SporkPolicy(SpecConfig("spork", tau=0.2, tau_max=0.5, target_acceptance=0.7))
     pol.update(_round(16, 0, None, depth=4))  # acceptance 0 < 0.7: prune harder
     assert pol.tau == pytest.approx(0.2 + 0.05 * 0.7)
     pol.update(_round(16, 4, 0, depth=4))  # acceptance 1 > 0.7: send more
     assert pol.tau == pytest.approx(0.2 + 0.05 * 0.7 - 0.05 * 0.3)
     for _ in range(100):
         pol.update(_round(16, 0, None))
-    assert pol.tau == TAU_MAX
+    assert pol.tau == 0.5  # bounded by tau_max
+
+
+def test_tau_stays_between_zero_and_its_bound() -> None:
+    """The default bound 0 keeps tau at 0 (nothing pruned); a start above tau_max is the
+    bound instead, so --tau alone works."""
+    pol = SporkPolicy(SpecConfig("spork"))
+    for _ in range(20):
+        pol.update(_round(16, 0, None))
+    assert pol.tau == 0.0
+    pol = SporkPolicy(SpecConfig("spork", tau=0.3))
+    for _ in range(20):
+        pol.update(_round(16, 0, None))
+    assert pol.tau == 0.3
+    for _ in range(20):
+        pol.update(_round(16, 4, 0, depth=4))
+    assert pol.tau == 0.0
 
 
 def test_no_adapt_keeps_the_shape() -> None:
@@ -207,6 +233,55 @@ def test_trace_fields() -> None:
     assert {"depth", "tau", "tree_depth", "next_depth", "next_tau"} <= set(t)
 
 
+def test_free_sources_have_no_model_depth() -> None:
+    pol = SporkPolicy(SpecConfig("spork"))
+    assert pol.next_shape(0).model_depth is None
+    pol.update(_round(12, 2, 1))
+    assert "model_depth" not in pol.trace()
+
+
+def test_model_levels_that_do_not_pay_for_their_forward_are_dropped() -> None:
+    """c = 0.7: rounds accepting one token reach level 1 only, so deeper self-drafted levels
+    return less than they cost, down to one level (never zero: the tree needs its forks)."""
+    pol = SporkPolicy(SpecConfig("spork", forks=4, depth=4), draft_cost=0.7)
+    assert pol.next_shape(0).model_depth == 4
+    seen = []
+    for _ in range(60):
+        m = pol.next_shape(0).model_depth
+        pol.update(_round(16, 1, 0, depth=m))
+        seen.append(m)
+    assert seen[:4] == [4, 3, 2, 1]  # one level dropped per round
+    assert seen[4:].count(1) >= 0.85 * len(seen[4:])  # level 2 only retried now and then
+    assert max(seen[4:]) == 2 and pol.depth == 4  # the free sources' depth is untouched
+
+
+def test_model_levels_that_pay_grow_after_whole_accepts() -> None:
+    pol = SporkPolicy(SpecConfig("spork", forks=2, depth=2), draft_cost=0.1)
+    for _ in range(10):
+        m = pol.next_shape(0).model_depth
+        pol.update(_round(8, m, 0, depth=m))
+    assert pol.next_shape(0).model_depth == pol.depth == 4  # bounded by twice the start
+
+
+def test_a_cheap_drafter_keeps_its_depth_where_a_costly_one_sheds_it() -> None:
+    """The same acceptance pattern (half the rounds reach level 2, none level 3), two costs."""
+    depths = {}
+    for cost in (0.05, 0.9):
+        pol = SporkPolicy(SpecConfig("spork", forks=3, depth=3, adapt=True), draft_cost=cost)
+        for i in range(40):
+            m = pol.next_shape(0).model_depth
+            pol.update(_round(9, min(m, 1 + i % 2), 0, depth=m))
+        depths[cost] = pol.next_shape(0).model_depth
+    assert depths[0.05] >= 2 and depths[0.9] == 1
+
+
+def test_no_adapt_keeps_the_model_depth() -> None:
+    pol = SporkPolicy(SpecConfig("spork", depth=3, adapt=False), draft_cost=0.7)
+    for _ in range(5):
+        pol.update(_round(9, 0, None, depth=3))
+    assert pol.next_shape(0).model_depth == 3
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -218,6 +293,8 @@ def test_trace_fields() -> None:
         ({"depth": 8, "budget": 4}, "smaller than the depth"),
         ({"tau": 1.0}, r"tau must be in \[0, 1\)"),
         ({"tau": -0.1}, r"tau must be in \[0, 1\)"),
+        ({"tau_max": 1.0}, r"tau_max must be in \[0, 1\)"),
+        ({"tau_max": -0.1}, r"tau_max must be in \[0, 1\)"),
         ({"tree": "bushy"}, "unknown tree shape"),
         ({"drafter": "recycle+bogus"}, "unknown spork drafter 'bogus'"),
         ({"target_acceptance": 0.0}, "target_acceptance"),
@@ -282,3 +359,40 @@ def test_model_forks_are_batched_greedy_continuations(smollm_f32) -> None:
                 step = float(logits.softmax(-1).max())
                 assert prob[i] == pytest.approx(prob[i - 1] * step, rel=1e-4)
     assert drafter.cache.length == len(history)  # the fork tokens left the cache again
+
+
+@pytest.mark.slow
+def test_model_dynamic_tree_expands_the_most_probable_frontier(smollm_f32) -> None:
+    """EAGLE-2: every level's children are the top-`branch` next tokens of the `branch` most
+    probable nodes of the level above, each scored by its cumulative draft probability."""
+    from specfork.drafters.model import ModelDrafter
+    from specfork.tree import path_to
+
+    model = smollm_f32.model
+    layers = list(range(0, 20))
+    drafter = ModelDrafter(model, layers=layers, name="self")
+    history = smollm_f32.tokenizer.encode("Once upon a time, in a small village,")
+    drafter.begin(history)
+    branch, depth = 3, 3
+    tree, scores, forwards = drafter.propose_dynamic(history, branch, depth)
+    assert forwards == depth and len(tree) == branch + (depth - 1) * branch * branch
+    level_of = depths(tree).tolist()
+    kids = children(tree)
+    with torch.inference_mode():
+        for level in range(1, depth + 1):
+            nodes = [i for i, d in enumerate(level_of) if d == level]
+            expanded = [n for n in nodes if kids[n + 1]]
+            if level < depth:  # the frontier: the `branch` best of the level
+                best = sorted(nodes, key=lambda n: -scores[n])[:branch]
+                assert sorted(expanded) == sorted(best)
+            for node in [-1, *expanded] if level == 1 else expanded:
+                path = [int(tree.tokens[i]) for i in path_to(tree, node)]
+                cache = model.new_cache(len(history) + 8)
+                q = model.extend([*history, *path], cache, layers=layers).softmax(-1)
+                top = q.topk(branch)
+                below = kids[node + 1]
+                assert [int(tree.tokens[c]) for c in below] == top.indices.tolist()
+                base = 1.0 if node < 0 else scores[node]
+                for c, qc in zip(below, top.values.tolist(), strict=True):
+                    assert scores[c] == pytest.approx(base * qc, rel=1e-4)
+    assert drafter.cache.length == len(history)  # the drafted nodes left the cache again

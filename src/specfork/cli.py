@@ -103,12 +103,18 @@ def _add_spork_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--budget", type=int, default=d.budget, help="most tree nodes (default 24)")
     g.add_argument("--tau", type=float, default=d.tau,
                    help="prune nodes whose prior score is below this, in [0, 1)")  # fmt: skip
+    g.add_argument("--tau-max", type=float, default=d.tau_max,
+                   help="highest tau the controller may reach (with --tau as a floor for "
+                        "this bound), in [0, 1) (default 0: nothing pruned)")  # fmt: skip
     g.add_argument("--target-acceptance", type=float, default=d.target_acceptance,
                    help="acceptance the tau controller steers toward (default 0.7)")  # fmt: skip
     g.add_argument("--no-adapt", dest="adapt", action="store_false",
                    help="keep forks, depth and tau fixed")  # fmt: skip
     g.add_argument("--recycle-persist", action="store_true",
                    help="keep the recycle table across requests (Token Recycling)")  # fmt: skip
+    g.add_argument("--recycle-prior", action="store_true",
+                   help="start the recycle table from the target's prediction after every "
+                        "token (computed once per model, ~25 s, and cached)")  # fmt: skip
     g.add_argument("--lossy-typical", action="store_true",
                    help="LOSSY: Medusa typical acceptance, not exact verification")  # fmt: skip
     g.add_argument("--typical-epsilon", type=float, default=d.typical_epsilon,
@@ -157,8 +163,8 @@ def spec_from_args(args: argparse.Namespace, expected_length: int) -> SpecConfig
         min_k=args.min_k, max_k=args.max_k, low=args.low, high=args.high,
         weights=args.weights, ema_rate=args.ema_rate,
         forks=args.forks, depth=args.depth, tree=args.tree, budget=args.budget, tau=args.tau,
-        target_acceptance=args.target_acceptance, adapt=args.adapt,
-        recycle_persist=args.recycle_persist,
+        tau_max=args.tau_max, target_acceptance=args.target_acceptance, adapt=args.adapt,
+        recycle_persist=args.recycle_persist, recycle_prior=args.recycle_prior,
         lossy_typical=args.lossy_typical, typical_epsilon=args.typical_epsilon,
         typical_delta=args.typical_delta,
     )  # fmt: skip

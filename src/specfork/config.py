@@ -244,9 +244,11 @@ class SpecConfig:
     tree: str = "forks"
     budget: int = 24
     tau: float = 0.0
+    tau_max: float = 0.0  # the τ controller's upper bound is max(tau, tau_max)
     target_acceptance: float = 0.7
     adapt: bool = True
     recycle_persist: bool = False  # keep the recycle table across requests (Token Recycling)
+    recycle_prior: bool = False  # start the table from the target's one-token predictions
     lossy_typical: bool = False
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
@@ -311,6 +313,11 @@ class SpecConfig:
             )
         if not (_is_number(self.tau) and 0 <= self.tau < 1):
             raise ConfigError(f"tau must be in [0, 1), got {self.tau}")
+        if not (_is_number(self.tau_max) and 0 <= self.tau_max < 1):
+            raise ConfigError(
+                f"tau_max must be in [0, 1), got {self.tau_max}; it bounds how far the "
+                "controller raises tau"
+            )
         if not (_is_number(self.target_acceptance) and 0 < self.target_acceptance <= 1):
             raise ConfigError(f"target_acceptance must be in (0, 1], got {self.target_acceptance}")
         if self.lossy_typical and self.strategy != "spork":

@@ -17,6 +17,7 @@ from specfork.drafters.base import Draft
 from specfork.errors import ConfigError
 from specfork.models.base import DecoderLM
 from specfork.sampling import probabilities, sample
+from specfork.tree import Tree, TreeBuilder, path_to
 
 
 class ModelDrafter:
@@ -29,7 +30,10 @@ class ModelDrafter:
         layers: Sequence[int] | None = None,
         name: str = "model",
         max_len: int = 512,
+        cost: float | None = None,
     ) -> None:
+        """`cost`: target forwards one drafting step costs (default: the share of `model`'s
+        own weights that `layers` run, right for self-drafting)."""
         n = model.config.num_layers
         if layers is not None:
             layers = sorted(set(layers))
@@ -39,6 +43,7 @@ class ModelDrafter:
         self.layers = layers
         self.name = name
         self.cache: KVCache = model.new_cache(max_len)
+        self.cost = step_weights(model, layers) / step_weights(model) if cost is None else cost
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.cache.reset()
@@ -91,11 +96,7 @@ class ModelDrafter:
         (a mask keeps each fork to the prefix and its own tokens), then drops them from the
         cache again — never K copies of the prefix. Returns (paths, cumulative q, forwards).
         """
-        self._ensure_room(len(history) + forks * depth + 1)
-        if self.cache.length >= len(history):  # need the last token's logits again
-            self.cache.truncate(len(history) - 1)
-        logits = self.model.extend(history[self.cache.length :], self.cache, layers=self.layers)
-        prefix = self.cache.length
+        logits, prefix = self._catch_up(history, forks * depth)
         top = logits.float().softmax(-1).topk(forks)  # K best first tokens and their q
         paths = [[int(t)] for t in top.indices]
         probs = [[float(q)] for q in top.values]
@@ -106,6 +107,45 @@ class ModelDrafter:
                 paths[j].append(token)
                 probs[j].append(probs[j][-1] * float(q.values[j]))
         return paths, probs, depth
+
+    def propose_dynamic(
+        self, history: list[int], branch: int, depth: int
+    ) -> tuple[Tree, list[float], int]:
+        """An EAGLE-2 tree up to `depth` deep, and each node's cumulative probability.
+
+        Depth 1 holds the drafter's `branch` most likely next tokens. At each further depth the
+        `branch` nodes of the newest level with the highest cumulative probability (the
+        frontier) are expanded with their `branch` most likely children, all frontier paths
+        drafted as one batch over the shared prefix cache: uncertain positions spread the
+        frontier over several parents (breadth), confident ones keep extending one (depth).
+        Every expanded child stays in the tree; the caller keeps the best nodes within its
+        budget (a child never scores above its parent). Returns (tree, scores, forwards).
+        """
+        logits, prefix = self._catch_up(history, branch * depth)
+        builder = TreeBuilder()
+        scores: list[float] = []  # node -> cumulative q along its path
+        top = logits.float().softmax(-1).topk(branch)  # [branch]
+        level = [builder.add(-1, int(t)) for t in top.indices]
+        scores.extend(float(q) for q in top.values)
+        for _ in range(depth - 1):
+            frontier = sorted(level, key=lambda n: -scores[n])[:branch]
+            tree = builder.build()
+            paths = [[int(tree.tokens[i]) for i in path_to(tree, n)] for n in frontier]
+            top = self._fork_step(paths, prefix).float().softmax(-1).topk(branch)  # [F, branch]
+            level = []
+            for parent, tokens, qs in zip(frontier, top.indices, top.values, strict=True):
+                for token, q in zip(tokens.tolist(), qs.tolist(), strict=True):
+                    level.append(builder.add(parent, token))
+                    scores.append(scores[parent] * q)
+        return builder.build(), scores, depth
+
+    def _catch_up(self, history: list[int], new_rows: int) -> tuple[torch.Tensor, int]:
+        """Run the history not yet cached; the logits [V] after its last token, prefix length."""
+        self._ensure_room(len(history) + new_rows + 1)
+        if self.cache.length >= len(history):  # need the last token's logits again
+            self.cache.truncate(len(history) - 1)
+        logits = self.model.extend(history[self.cache.length :], self.cache, layers=self.layers)
+        return logits, self.cache.length
 
     def _fork_step(self, paths: list[list[int]], prefix: int) -> torch.Tensor:
         """Logits [K, V] after each fork's last token (forks batched over the prefix cache)."""
@@ -121,6 +161,16 @@ class ModelDrafter:
 
     def rollback(self, length: int) -> None:
         self.cache.truncate(min(self.cache.length, length))
+
+
+def step_weights(model: DecoderLM, layers: Sequence[int] | None = None) -> int:
+    """Weights one token's forward multiplies by: the blocks run (default all) and the LM head.
+
+    The embedding is a lookup, so it is left out; a proxy for the cost of a decoding step.
+    """
+    blocks = range(len(model.blocks)) if layers is None else layers
+    run = sum(p.numel() for i in blocks for p in model.blocks[i].parameters())
+    return run + model.lm_head.weight.numel()
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:

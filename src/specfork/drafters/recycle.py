@@ -24,7 +24,14 @@ UNKNOWN = -1  # table entry: no candidate recorded
 class RecycleTable:
     """For every token id, the target's top-`width` next tokens from the last time it was seen."""
 
-    def __init__(self, vocab_size: int, width: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        width: int,
+        device: torch.device | str = "cpu",
+        prior: torch.Tensor | None = None,
+    ) -> None:
+        """`prior` [V, width]: the rows `reset` starts from (default: every row unknown)."""
         if not (isinstance(vocab_size, int) and vocab_size >= 1):
             raise ConfigError(f"vocab_size must be a positive integer, got {vocab_size!r}")
         if not (isinstance(width, int) and 1 <= width <= vocab_size):
@@ -33,14 +40,23 @@ class RecycleTable:
         self.width = width
         # int32 halves the memory of int64; ids fit (vocabularies are < 2**31)
         self.table = torch.full((vocab_size, width), UNKNOWN, dtype=torch.int32, device=device)
+        if prior is not None and prior.shape != self.table.shape:
+            raise ConfigError(
+                f"a recycle prior must be [{vocab_size}, {width}], got {tuple(prior.shape)}"
+            )
+        self.prior = None if prior is None else prior.to(device=device, dtype=torch.int32)
+        self.reset()
 
     @property
     def nbytes(self) -> int:
         return self.table.numel() * self.table.element_size()
 
     def reset(self) -> None:
-        """Forget every candidate."""
-        self.table.fill_(UNKNOWN)
+        """Forget every candidate seen (back to the prior, if any)."""
+        if self.prior is None:
+            self.table.fill_(UNKNOWN)
+        else:
+            self.table.copy_(self.prior)
 
     def update(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         """Record top-`width` successors: table[tokens[i]] = top-width ids of logits[i].

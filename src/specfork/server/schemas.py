@@ -319,7 +319,8 @@ def _speculative(obj: Any, default: SpecConfig) -> SpecConfig | None:
 
 
 def _check_spec_values(obj: dict[str, Any], default: SpecConfig) -> None:
-    """What a remote client may not ask for: new draft models, huge layer lists or drafts."""
+    """What a remote client may not ask for: new draft models, the recycle prior's one-off
+    computation, huge layer lists or drafts."""
     drafter = obj.get("drafter")
     allowed = set(default.drafter.split("+"))
     if isinstance(drafter, str) and any(
@@ -329,6 +330,12 @@ def _check_spec_values(obj: dict[str, Any], default: SpecConfig) -> None:
             "a request cannot load a draft model; use drafter ngram or self, or start the "
             "server with --drafter model:PATH",
             param="speculative.drafter",
+        )
+    if obj.get("recycle_prior") is True and not default.recycle_prior:
+        raise APIError(
+            "a request cannot turn on the recycle prior (computed once per model, ~25 s, while "
+            "every other request waits); start the server with --recycle-prior",
+            param="speculative.recycle_prior",
         )
     for name in ("self_layers", "skip_layers"):
         value = obj.get(name)

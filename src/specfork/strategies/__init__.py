@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING
 
 from specfork.config import SpecConfig
 from specfork.drafters.base import Drafter
-from specfork.drafters.forks import ForkDrafter
-from specfork.drafters.model import ModelDrafter, parse_layers
+from specfork.drafters.forks import RECYCLE_WIDTH, ForkDrafter
+from specfork.drafters.model import ModelDrafter, parse_layers, step_weights
 from specfork.drafters.ngram import NgramDrafter
+from specfork.drafters.recycle_prior import PRIOR_CONTEXT, load_or_compute
 from specfork.dspark import DSparkPolicy
 from specfork.errors import ConfigError
+from specfork.loading.registry import cache_dir
 from specfork.policies import DraftPolicy, make_policy
 from specfork.spork import SporkPolicy
 
@@ -30,7 +32,8 @@ def build_strategy(
     if spec.strategy == "ar":
         return None, None
     if spec.strategy == "spork":
-        return (build_fork_drafter(spec, target) if with_drafter else None), SporkPolicy(spec)
+        forks = build_fork_drafter(spec, target) if with_drafter else None
+        return forks, SporkPolicy(spec, draft_cost=forks.draft_cost if forks else 0.0)
     if spec.strategy == "dspark":
         policy: DraftPolicy = DSparkPolicy(spec)
     else:
@@ -48,7 +51,14 @@ def build_fork_drafter(spec: SpecConfig, target: LoadedModel) -> ForkDrafter:
     }
     vocab = target.model.config.vocab_size
     recycle = "recycle" in sources
-    return ForkDrafter(vocab, recycle=recycle, chains=chains, persist=spec.recycle_persist)
+    prior = None
+    if recycle and spec.recycle_prior:
+        context = target.tokenizer.encode(PRIOR_CONTEXT)
+        folder = cache_dir() / "recycle"
+        prior = load_or_compute(target.model, RECYCLE_WIDTH, context, target.path, folder)
+    return ForkDrafter(
+        vocab, recycle=recycle, chains=chains, persist=spec.recycle_persist, prior=prior
+    )
 
 
 def build_drafter(spec: SpecConfig, target: LoadedModel) -> Drafter:
@@ -80,4 +90,5 @@ def _draft_model(name_or_path: str, target: LoadedModel) -> Drafter:
             f"the draft model's vocabulary ({v_draft} tokens) differs from the target's "
             f"({v_target} tokens); a draft model must share the target's tokenizer"
         )
-    return ModelDrafter(draft, name="model")
+    cost = step_weights(draft) / step_weights(target.model)
+    return ModelDrafter(draft, name="model", cost=cost)
