@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from specfork.bench.hf import load_hf_model
+from specfork.bench.machine import machine_info
 from specfork.bench.prompts import load_prompts
-from specfork.bench.runner import machine_info
 from specfork.config import GenerationConfig
 from specfork.engine import Generator
 from specfork.loading.loader import load_model

@@ -17,24 +17,12 @@ from rich.console import Console
 
 from specfork.bench.cli import add_bench_parser, run_bench, settings_from_args
 from specfork.bench.prompts import BenchPrompt, builtin_prompts, load_prompts, select_prompts
+from specfork.bench.quality import compare_greedy, first_divergence, target_logprob, top2_gap
+from specfork.bench.records import BenchStrategy, Measurement, PreparedPrompt, RunOutput
 from specfork.bench.report import PLOT_FILES, write_all
-from specfork.bench.runner import (
-    BenchSettings,
-    BenchStrategy,
-    Measurement,
-    PreparedPrompt,
-    RunOutput,
-    compare_greedy,
-    first_divergence,
-    per_prompt_figures,
-    run_benchmark,
-    run_interleaved,
-    run_order,
-    summarize,
-    target_logprob,
-    top2_gap,
-)
+from specfork.bench.runner import BenchSettings, run_benchmark, run_interleaved, run_order
 from specfork.bench.specs import ensure_plain, parse_strategies, parse_strategy
+from specfork.bench.summary import per_prompt_figures, summarize
 from specfork.errors import ConfigError, PromptError
 from tiny_models import randomize
 

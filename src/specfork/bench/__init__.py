@@ -2,7 +2,11 @@
 
 - `specs`: the strategy-spec syntax (``strategy[:drafter][?key=value&...]``) → SpecConfig;
 - `prompts`: Spec-Bench JSONL files and a built-in prompt set;
-- `runner`: warm-up, interleaved measurements, greedy matches (near-tie rule), medians;
+- `runner`: building the strategies, the warm-up and the interleaved measurements;
+- `records`: what one run produced, one measurement, the figures' names;
+- `quality`: greedy matches (near-tie rule), the target's log-probability of an output;
+- `summary`: medians per prompt, per category and overall; speedups, match rates;
+- `machine`, `progress`: what results.json says about the machine; the live progress bar;
 - `hf`: transformers baselines (``generate``, prompt lookup, assisted), imported lazily;
 - `report`: terminal tables, results.json, report.md, PNG plots;
 - `cli`: the `bench` subcommand (`add_bench_parser`, `run_bench`).

@@ -15,8 +15,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from specfork.bench.prompts import builtin_prompts, load_prompts, select_prompts
+from specfork.bench.quality import NEAR_TIE
 from specfork.bench.report import check_output_dir, print_tables, write_all
-from specfork.bench.runner import NEAR_TIE, BenchSettings, run_benchmark
+from specfork.bench.runner import BenchSettings, run_benchmark
 from specfork.bench.specs import HF_METHODS, ensure_plain, parse_strategies, valid_options
 from specfork.errors import ConfigError, PromptError
 

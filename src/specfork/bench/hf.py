@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from specfork.bench.runner import BenchStrategy, RunOutput
+from specfork.bench.records import BenchStrategy, RunOutput
 from specfork.bench.specs import StrategySpec
 from specfork.config import SamplingParams
 

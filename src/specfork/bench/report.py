@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from specfork.bench.runner import FIGURES, OVERALL
+from specfork.bench.records import FIGURES, OVERALL
 from specfork.errors import ConfigError
 
 RESULTS_FILE = "results.json"

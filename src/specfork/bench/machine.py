@@ -1,0 +1,72 @@
+"""What results.json records about the machine, and the process's peak memory (Linux VmHWM)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specfork import __version__
+
+
+def reset_peak_memory() -> bool:
+    """Reset the process's VmHWM (Linux `clear_refs` 5); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory_mb() -> float | None:
+    """The process's resident-set high-water mark (VmHWM) in MB, None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (platform.processor() elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that started this process (its program named by its file name)."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv:
+        argv[0] = Path(argv[0]).name
+    return shlex.join(argv)
+
+
+def machine_info(dtype: str | None = None, device: str | None = None) -> dict[str, Any]:
+    """What results.json records about the machine and software."""
+    try:
+        import transformers
+
+        tf_version: str | None = transformers.__version__
+    except ImportError:
+        tf_version = None
+    return {
+        "cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": tf_version, "python": platform.python_version(),
+        "platform": platform.platform(), "specfork": __version__, "dtype": dtype, "device": device,
+        "command": command_line(),
+    }  # fmt: skip

@@ -1,0 +1,70 @@
+"""How far a strategy's output is from the reference: greedy matches with the near-tie rule, and
+the target's log-probability of an output (the lossy gate's drift)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+NEAR_TIE = 0.25  # top-2 logit gap: two bf16 steps at logits of magnitude 16-32
+
+
+@dataclass
+class MatchResult:
+    """A greedy output compared with the reference: "exact", "near-tie" or "differs"."""
+
+    status: str
+    position: int | None = None  # first diverging output position
+    gap: float | None = None  # the target's top-2 logit gap there
+
+
+def target_logprob(loaded: Any, prompt: Sequence[int], output: Sequence[int]) -> float | None:
+    """Mean log-probability the target gives each output token after the prompt and the
+    output before it (one forward): how far a lossy strategy drifted from what the target
+    itself would say (plain greedy maximises each step's term)."""
+    if not output:
+        return None
+    with torch.inference_mode():
+        cache = loaded.model.new_cache(len(prompt) + len(output) + 8)
+        ids = [*prompt, *output]
+        logits = loaded.model.extend(ids[:-1], cache, last_only=False)  # [P + O - 1, V]
+        logp = logits[len(prompt) - 1 :].log_softmax(-1)  # [O, V]
+        target = torch.tensor(list(output), device=logp.device)  # [O]
+        return float(logp.gather(-1, target[:, None]).mean())
+
+
+def top2_gap(loaded: Any, ids: Sequence[int]) -> float:
+    """The target's top-2 logit gap after `ids` (one prefill, a fresh cache)."""
+    with torch.inference_mode():
+        cache = loaded.model.new_cache(len(ids) + 8)
+        top = loaded.model.extend(list(ids), cache).topk(2).values
+    return float(top[0] - top[1])
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where two outputs differ (the shorter length if one is a prefix of
+    the other); None when they are equal."""
+    if list(a) == list(b):
+        return None
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def compare_greedy(
+    reference: Sequence[int],
+    other: Sequence[int],
+    gap_at: Callable[[int], float],
+    tolerance: float = NEAR_TIE,
+) -> MatchResult:
+    """Exact, near-tie or differs; `gap_at(i)` is the target's top-2 gap before output token i
+    of the reference (its context: the prompt and the reference's first i tokens)."""
+    pos = first_divergence(reference, other)
+    if pos is None:
+        return MatchResult("exact")
+    gap = gap_at(pos)
+    return MatchResult("near-tie" if gap <= tolerance else "differs", pos, gap)

@@ -1,0 +1,103 @@
+"""The figures of a benchmark: per prompt the median over repeats, per category and overall the
+median over prompts; speedup over the reference, greedy match rates, peak memory."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from specfork.bench.quality import NEAR_TIE, compare_greedy
+from specfork.bench.records import OVERALL, PER_RUN, Measurement, PreparedPrompt
+
+
+def per_prompt_figures(
+    measurements: Sequence[Measurement],
+    strategies: Sequence[str],
+    prompts: Sequence[PreparedPrompt],
+    *,
+    reference: str = "ar",
+    gap_fn: Callable[[list[int]], float] | None = None,
+    greedy: bool = True,
+    near_tie: float = NEAR_TIE,
+    logprob_fn: Callable[[list[int], list[int]], float | None] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per (strategy, prompt): medians over the repeats, speedup, greedy match.
+
+    `gap_fn(context_ids)` gives the target's top-2 logit gap after a context; without it (or
+    when sampling) greedy matches are not judged. `logprob_fn(prompt, output)` scores the
+    first repeat's output under the target (`target_logprob`).
+    """
+    by_key: dict[tuple[str, int], list[Measurement]] = {}
+    for m in measurements:
+        by_key.setdefault((m.strategy, m.prompt_index), []).append(m)
+    rows = []
+    for p in prompts:
+        ref_ok = [m for m in by_key.get((reference, p.index), []) if m.ok and m.output]
+        ref_tps = _median([m.figure("decode_tokens_per_second") for m in ref_ok])
+        ref_ids = min(ref_ok, key=lambda m: m.repeat).output.token_ids if ref_ok else None  # type: ignore[union-attr]
+        gaps: dict[int, float] = {}
+
+        def gap_at(pos: int, p: PreparedPrompt = p, ref_ids=ref_ids, gaps=gaps) -> float:
+            if pos not in gaps:
+                gaps[pos] = gap_fn([*p.ids, *ref_ids[:pos]])  # type: ignore[misc]
+            return gaps[pos]
+
+        for label in strategies:
+            ms = by_key.get((label, p.index), [])
+            ok = [m for m in ms if m.ok and m.output is not None]
+            row: dict[str, Any] = {
+                "strategy": label, "prompt_index": p.index,
+                "question_id": p.prompt.question_id, "category": p.category,
+                "runs": len(ok), "failed": len(ms) - len(ok),
+                "errors": sorted({m.error for m in ms if m.error}),
+            }  # fmt: skip
+            for key in PER_RUN:
+                row[key] = _median([m.figure(key) for m in ok])
+            tps = row["decode_tokens_per_second"]
+            row["speedup"] = tps / ref_tps if tps is not None and ref_tps else None
+            peaks = [m.peak_rss_mb for m in ms if m.peak_rss_mb is not None]
+            row["peak_rss_mb"] = max(peaks) if peaks else None
+            match = None
+            if ok and ref_ids is not None and greedy and gap_fn is not None:
+                first = min(ok, key=lambda m: m.repeat).output.token_ids  # type: ignore[union-attr]
+                match = compare_greedy(ref_ids, first, gap_at, near_tie)
+            first_out = min(ok, key=lambda m: m.repeat).output if ok else None
+            score = logprob_fn if logprob_fn is not None and first_out is not None else None
+            row["target_logprob"] = score(list(p.ids), first_out.token_ids) if score else None  # type: ignore[union-attr]
+            row["greedy_match"] = match.status if match else None
+            row["divergence_position"] = match.position if match else None
+            row["top2_gap"] = match.gap if match else None
+            rows.append(row)
+    return rows
+
+
+def summarize(
+    rows: Sequence[Mapping[str, Any]], strategies: Sequence[str], categories: Sequence[str]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """summary[strategy][category or "overall"][figure]: medians of the per-prompt rows
+    (match rates are fractions of prompts; peak memory is the maximum)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for label in strategies:
+        out[label] = {}
+        for cat in [*categories, OVERALL]:
+            sel = [r for r in rows if r["strategy"] == label and cat in (r["category"], OVERALL)]
+            cell: dict[str, Any] = {"prompts": len(sel), "failed": sum(r["failed"] for r in sel)}
+            for key in (*PER_RUN, "speedup", "target_logprob"):
+                cell[key] = _median([r.get(key) for r in sel])
+            judged = [r["greedy_match"] for r in sel if r["greedy_match"] is not None]
+            cell["greedy_match_rate"] = (
+                sum(j in ("exact", "near-tie") for j in judged) / len(judged) if judged else None
+            )
+            cell["exact_match_rate"] = (
+                sum(j == "exact" for j in judged) / len(judged) if judged else None
+            )
+            peaks = [r["peak_rss_mb"] for r in sel if r["peak_rss_mb"] is not None]
+            cell["peak_rss_mb"] = max(peaks) if peaks else None
+            out[label][cat] = cell
+    return out
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
