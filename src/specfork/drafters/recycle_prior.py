@@ -15,7 +15,7 @@ tokens (below 8 192: 89%) — a third of the cost of the whole 49k vocabulary. M
 holds it for 31%. The table is saved under the cache folder (`recycle/`), keyed by the weight
 file's identity: computed once per model file (about 25 s for SmolLM2 in bf16 on two cores).
 
-Off by default (`recycle_prior=True`, `--recycle-prior` to use it): on the dev prompts it cut
+Off by default (`recycle_prior=True` or `--recycle-prior` turns it on): on the dev prompts it cut
 the rounds with an empty tree from 37-40% to 4-5% and the fallback rounds from 70% to 56-60%,
 but on two CPU cores a tree round costs a fixed 3.5 ms plus 1.9 ms per node over a 20 ms
 one-row round, so the new trees cost about what they return (speed unchanged within the
@@ -24,7 +24,6 @@ noise). Where extra verification rows are nearly free (a GPU) it is worth turnin
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import tempfile
@@ -35,6 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specfork.drafters.recycle import UNKNOWN
+from specfork.loading.weight_cache import source_digest
 from specfork.models.base import DecoderLM
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,7 @@ PRIOR_CONTEXT = "\n"  # what precedes each id (after BOS where the tokenizer add
 
 def prior_file(folder: Path, source: Path, width: int) -> Path:
     """Where the prior of the weights at `source` lives (changes with the file)."""
-    st = source.stat()
-    key = f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|{width}|{PRIOR_IDS}|{FORMAT}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    digest = source_digest(source, width, PRIOR_IDS, FORMAT)
     return folder / f"{source.stem}-prior{width}-{digest}.safetensors"
 
 
@@ -94,8 +92,9 @@ def load_or_compute(
             log.warning("recomputing the recycle prior %s: wrong shape", path)
         except (SafetensorError, OSError, KeyError) as exc:
             log.warning("recomputing the unreadable recycle prior %s: %s", path, exc)
-    log.info("computing the recycle prior (%d token ids, once per model)", model.config.vocab_size)
-    table = compute_prior(model, width, context)
+    ids = min(PRIOR_IDS, model.config.vocab_size)
+    log.info("computing the recycle prior (%d token ids, once per model file)", ids)
+    table = compute_prior(model, width, context, ids)
     if path is not None:
         _save(table, path)
     return table

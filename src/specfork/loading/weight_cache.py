@@ -26,11 +26,17 @@ FORMAT = 1  # bump when the saved layout or the conversion changes
 Converted = tuple[ModelConfig, dict[str, torch.Tensor]]
 
 
+def source_digest(source: Path, *parts: object) -> str:
+    """A short digest of a file's identity (path, size, mtime) and `parts`: it changes when the
+    file does, so anything derived from the file can be cached under it."""
+    st = source.stat()
+    key = "|".join(str(x) for x in (source.resolve(), st.st_size, st.st_mtime_ns, *parts))
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def cache_file(folder: Path, source: Path, dtype: torch.dtype) -> Path:
     """Where the converted weights of `source` in `dtype` live (changes with the file)."""
-    st = source.stat()
-    key = f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{FORMAT}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    digest = source_digest(source, dtype, FORMAT)
     return folder / f"{source.stem}-{str(dtype).removeprefix('torch.')}-{digest}.safetensors"
 
 
