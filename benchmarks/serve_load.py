@@ -6,6 +6,12 @@ default, as `specfork serve --strategy ...` sets it), sends the same streamed ch
 table: requests/s, p50/p95 latency, p50 time to first token, generated tokens/s, and the mean
 accepted length the server's /metrics reports. Strategies alternate per repeat; medians are shown.
 
+The last columns compare one request's decode speed through the server (the `speculative`
+object's decode_tokens_per_second, median over requests) with the library's `Generator.generate`
+on the same prompts in the same process, run on the thread that loaded the model as the server
+does: a server slower than the library per request (0.5x when the model ran on a second OpenMP
+pool, see specfork.model_thread) shows up there.
+
     python benchmarks/serve_load.py --prompts ../shared/bench/specbench-dev.jsonl \
         --requests 16 --concurrency 4 --max-tokens 64
 """
@@ -18,17 +24,18 @@ import logging
 import re
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from specfork.cli import read_first_turns
-from specfork.config import SpecConfig
+from specfork.config import GenerationConfig, SpecConfig
 from specfork.engine import Generator
-from specfork.loading.loader import LoadedModel, load_model
+from specfork.loading.loader import load_model
 from specfork.loading.registry import DEFAULT_MODEL
+from specfork.model_thread import model_thread, run_in
 from specfork.server.app import create_app
 from specfork.server.cli import serve_in_background
 
@@ -51,6 +58,7 @@ class Sample:
     latency: float
     ttft: float
     tokens: int
+    decode_tps: float  # the server's decode tokens/s for this request
 
 
 @dataclass
@@ -61,6 +69,8 @@ class Run:
     ttft_p50: float
     tokens_per_s: float
     mean_accepted: float
+    server_decode_tps: float  # median over requests
+    library_decode_tps: float  # Generator.generate on the same prompts, median
 
 
 def one_request(url: str, prompt: str, max_tokens: int) -> Sample:
@@ -73,7 +83,7 @@ def one_request(url: str, prompt: str, max_tokens: int) -> Sample:
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, tokens, decode_tps = None, 0, 0.0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
@@ -86,8 +96,10 @@ def one_request(url: str, prompt: str, max_tokens: int) -> Sample:
                 ttft = time.perf_counter() - t0
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("speculative"):
+                decode_tps = chunk["speculative"]["decode_tokens_per_second"]
     latency = time.perf_counter() - t0
-    return Sample(latency, ttft if ttft is not None else latency, tokens)
+    return Sample(latency, ttft if ttft is not None else latency, tokens, decode_tps)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -101,12 +113,23 @@ def mean_accepted(url: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+def library_decode_tps(generator: Generator, prompts: list[str], max_tokens: int) -> float:
+    """Median decode tokens/s of `Generator.generate` on the prompts (call on the model thread)."""
+    config = GenerationConfig(max_new_tokens=max_tokens, ignore_eos=True)
+    speeds = []
+    for prompt in prompts:
+        messages = [{"role": "user", "content": prompt}]
+        speeds.append(generator.generate(messages, config=config).stats.decode_tokens_per_second)
+    return statistics.median(speeds)
+
+
 def load_run(
-    loaded: LoadedModel, spec: SpecConfig, prompts: list[str], args: argparse.Namespace
+    generator: Generator, thread: Executor, prompts: list[str], args: argparse.Namespace
 ) -> Run:
-    """One server with `spec` as its strategy, a warm-up request, then the measured load."""
-    generator = Generator(loaded, spec=spec, max_context=args.max_context)
-    app = create_app(generator, model_name="bench", queue_size=max(64, args.requests))
+    """The library on the prompts, then one server of `generator` (warm-up, measured load)."""
+    library = run_in(thread, library_decode_tps, generator, prompts[:4], args.max_tokens)
+    queue = max(64, args.requests)
+    app = create_app(generator, model_name="bench", queue_size=queue, thread=thread)
     with serve_in_background(app) as url:
         one_request(url, prompts[0], 4)  # warm-up (not measured)
         jobs = [prompts[i % len(prompts)] for i in range(args.requests)]
@@ -123,6 +146,8 @@ def load_run(
         ttft_p50=percentile([s.ttft for s in samples], 0.5),
         tokens_per_s=sum(s.tokens for s in samples) / wall,
         mean_accepted=accepted,
+        server_decode_tps=statistics.median(s.decode_tps for s in samples),
+        library_decode_tps=library,
     )
 
 
@@ -134,13 +159,16 @@ def median_run(runs: list[Run]) -> Run:
 def table(results: dict[str, Run]) -> str:
     lines = [
         "| strategy | requests/s | p50 latency (s) | p95 latency (s) | p50 TTFT (s) "
-        "| tokens/s | mean accepted length |",
-        "|---|---|---|---|---|---|---|",
+        "| tokens/s | mean accepted length | decode tok/s per request: server | library "
+        "| server / library |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
+        ratio = r.server_decode_tps / r.library_decode_tps if r.library_decode_tps else 0.0
         lines.append(
             f"| {name} | {r.requests_per_s:.2f} | {r.p50:.2f} | {r.p95:.2f} | {r.ttft_p50:.2f} "
-            f"| {r.tokens_per_s:.1f} | {r.mean_accepted:.2f} |"
+            f"| {r.tokens_per_s:.1f} | {r.mean_accepted:.2f} | {r.server_decode_tps:.1f} "
+            f"| {r.library_decode_tps:.1f} | {ratio:.2f} |"
         )
     return "\n".join(lines)
 
@@ -164,12 +192,17 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     prompts = read_first_turns(args.prompts) if args.prompts else list(BUILT_IN_PROMPTS)
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device, progress=False)
+    thread = model_thread()  # loads and runs the model, as `specfork serve` does
+    loaded = run_in(thread, load_model, args.model, dtype=args.dtype, device=args.device)
+    generators = {
+        name: Generator(loaded, spec=spec, max_context=args.max_context)
+        for name, spec in STRATEGIES.items()
+    }
     runs: dict[str, list[Run]] = {name: [] for name in STRATEGIES}
     for repeat in range(args.repeats):
-        for name, spec in STRATEGIES.items():
+        for name, generator in generators.items():
             log.info("repeat %d: %s", repeat + 1, name)
-            runs[name].append(load_run(loaded, spec, prompts, args))
+            runs[name].append(load_run(generator, thread, prompts, args))
     model = f"{loaded.path.name} ({loaded.model.dtype}, {loaded.model.device})"
     print(
         f"{model}: {args.requests} requests, concurrency {args.concurrency}, "

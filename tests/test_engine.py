@@ -7,6 +7,7 @@ full forward of the model. The validation tests at the end need no model.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from specfork.config import GenerationConfig, SamplingParams
 from specfork.engine import GenerationResult, Generator
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import LoadedModel
+from specfork.model_thread import model_thread, run_in
 
 REPLACEMENT = "\ufffd"
 PROMPT = "Write a short poem about the sea."
@@ -349,3 +351,20 @@ def test_per_request_strategy(smollm_f32: LoadedModel, first: GenerationResult) 
     assert again.token_ids == first.token_ids and again.stats.drafted == 0
     with pytest.raises(ConfigError, match="unknown drafter"):
         own.generate(PROMPT, config=config, spec=SpecConfig("speculative", "nope"))
+
+
+def test_decoding_from_another_thread_warns_once(
+    smollm_f32: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The model's CPU thread pool belongs to the loading thread (specfork.model_thread)."""
+    gen = Generator(smollm_f32)
+    config = GenerationConfig(max_new_tokens=1)
+    with caplog.at_level(logging.WARNING, logger="specfork.engine"):
+        gen.generate("Hi", config=config)  # the loading thread: no warning
+        assert not caplog.records
+        with model_thread() as thread:
+            for _ in range(2):
+                run_in(thread, gen.generate, "Hi", config=config)
+    assert [r.message.split(":")[0] for r in caplog.records] == [
+        "this model was loaded in another thread"
+    ]

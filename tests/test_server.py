@@ -30,6 +30,7 @@ from specfork.engine import GenerationResult, Generator
 from specfork.errors import SpecforkError
 from specfork.loading.loader import LoadedModel
 from specfork.metrics import GenerationStats
+from specfork.model_thread import model_thread, run_in
 from specfork.server.app import create_app
 from specfork.server.cli import add_serve_parser, run_serve, serve_in_background
 
@@ -441,6 +442,8 @@ class FakeEngine:
     def __init__(self, spec: SpecConfig, *, gated: bool = True, fail: bool = False) -> None:
         self.default_spec = spec
         self.fail = fail
+        self.built_in = threading.get_ident()
+        self.ran_in: set[int] = set()
         self.permits = threading.Semaphore(0 if gated else 1_000_000)
         self.started: queue.Queue[SpecConfig] = queue.Queue()
 
@@ -456,6 +459,7 @@ class FakeEngine:
         spec: SpecConfig | None,
     ) -> FakeStream:
         self.started.put(spec or self.default_spec)
+        self.ran_in.add(threading.get_ident())
         return FakeStream(self, prompt, config.max_new_tokens)
 
 
@@ -521,6 +525,28 @@ def test_internal_error_is_500_and_the_server_serves_on() -> None:
         engine.fail = False
         assert _post(url).json()["choices"][0]["text"] == "xxx"
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_requests_run_on_the_thread_that_loaded_the_model() -> None:
+    """PyTorch's CPU thread pool runs at full speed only for the thread that created it
+    (specfork.model_thread); `specfork serve` loads the model on the thread that serves."""
+    thread = model_thread()
+    engine = run_in(thread, FakeEngine, SpecConfig(), gated=False)
+    assert engine.built_in != threading.get_ident()
+    app = create_app(engine, model_name="fake", thread=thread)
+    with serve_in_background(app) as url:
+        for _ in range(3):
+            assert _post(url).status_code == 200
+    assert engine.ran_in == {engine.built_in}
+
+
+def test_without_a_thread_the_worker_keeps_one_thread() -> None:
+    engine = FakeEngine(SpecConfig(), gated=False)
+    app = create_app(engine, model_name="fake")
+    with serve_in_background(app) as url:
+        for _ in range(3):
+            assert _post(url).status_code == 200
+    assert len(engine.ran_in) == 1 and engine.built_in not in engine.ran_in
 
 
 def test_body_too_large_is_413() -> None:

@@ -7,6 +7,7 @@ once on the last token and emits the token it chooses.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -103,6 +104,7 @@ class Generator:
             OrderedDict({self.spec: (self.drafter, self.policy)})
         )
         self._cache: KVCache | None = None
+        self._warned_thread = False
 
     # -- prompts ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
@@ -163,8 +165,14 @@ class Generator:
         config = config or GenerationConfig()
         sampling = sampling or SamplingParams()
         self._check_prompt(ids)
+        self._check_thread()
         self.use_strategy(spec or self.default_spec)
         return TextStream(self._events(ids, config, sampling))
+
+    def warm_up(self, new_tokens: int = 4) -> None:
+        """Run a short generation so that the first request does not pay for first-use costs."""
+        prompt = self.tokenizer.encode("Hello")[-4:] or [0]
+        self.generate(prompt, config=GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True))
 
     def use_strategy(self, spec: SpecConfig) -> None:
         """Make `spec` the strategy of the next requests (drafters are built once, then kept)."""
@@ -338,6 +346,18 @@ class Generator:
             self._cache = self.model.new_cache(max(length, 256))
         self._cache.reset()
         return self._cache
+
+    def _check_thread(self) -> None:
+        """Warn once when decoding on the CPU from a thread other than the loading one."""
+        here = threading.get_ident()
+        if self._warned_thread or self.model.device.type != "cpu" or here == self._loaded.thread_id:
+            return
+        self._warned_thread = True
+        log.warning(
+            "this model was loaded in another thread: PyTorch's CPU thread pool belongs to that "
+            "thread, and decoding from this one can run at half speed; load and run the model "
+            "in one thread (specfork.model_thread)"
+        )
 
     def _check_k(self, spec: SpecConfig) -> None:
         if spec.draft_k >= self.context:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     path: Path
     load_seconds: float
+    thread_id: int = field(default_factory=threading.get_ident)  # the thread that loaded it
 
     @property
     def config(self) -> ModelConfig:

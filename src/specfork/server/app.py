@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -39,18 +40,21 @@ def create_app(
     model_name: str,
     queue_size: int = 64,
     plain_above_queue: int | None = None,
+    thread: Executor | None = None,
     **settings: Any,
 ) -> FastAPI:
     """An app serving `generator` (a `specfork.engine.Generator`) under `model_name`.
 
-    `settings` are the other `ServerSettings` fields (retry_after, max_strategies,
-    default_max_tokens, max_body_bytes). The engine worker runs between startup and shutdown.
+    `thread` is the single-thread executor (`specfork.model_thread.model_thread()`) that loaded
+    the generator's model: requests run there, at full speed. `settings` are the other
+    `ServerSettings` fields (retry_after, max_strategies, default_max_tokens, max_body_bytes).
+    The engine worker runs between startup and shutdown.
     """
     config = ServerSettings(
         model_name, queue_size=queue_size, plain_above_queue=plain_above_queue, **settings
     )
     metrics = ServerMetrics()
-    worker = EngineWorker(generator, metrics, config)
+    worker = EngineWorker(generator, metrics, config, thread)
     handlers = _Handlers(generator, worker, metrics, config)
 
     @asynccontextmanager

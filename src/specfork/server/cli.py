@@ -11,12 +11,17 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
 
 from specfork.errors import SpecforkError
+from specfork.model_thread import model_thread, run_in
+
+if TYPE_CHECKING:
+    from specfork.config import SpecConfig
+    from specfork.engine import Generator
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +67,6 @@ def run_serve(args: argparse.Namespace, err_console: Console) -> int:
     """Validate the flags, load the model, serve until interrupted; returns the exit status."""
     uvicorn = _require_server_packages()
     from specfork.cli import spec_from_args
-    from specfork.engine import Generator
-    from specfork.loading.loader import load_model
     from specfork.policies import make_policy
     from specfork.server.app import create_app
 
@@ -72,11 +75,12 @@ def run_serve(args: argparse.Namespace, err_console: Console) -> int:
     if args.max_context is not None and args.max_context < 2:
         raise SpecforkError(f"--max-context must be at least 2, got {args.max_context}")
     sock = bind_socket(args.host, args.port)
+    thread = model_thread()  # loads, warms and runs the model: one thread, one OpenMP pool
     with err_console.status(f"loading {escape(args.model)}…", spinner="dots"):
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device, progress=False)
-    generator = Generator(loaded, spec=spec, max_context=args.max_context)
+        generator = run_in(thread, _load_generator, args, spec)
     app = create_app(
         generator,
+        thread=thread,
         model_name=args.served_model_name or args.model,
         queue_size=args.queue_size,
         plain_above_queue=args.plain_above_queue,
@@ -92,6 +96,17 @@ def run_serve(args: argparse.Namespace, err_console: Console) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level=level, timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
     return 0
+
+
+def _load_generator(args: argparse.Namespace, spec: SpecConfig) -> Generator:
+    """Load the model and warm it up (on the model thread, which runs every request)."""
+    from specfork.engine import Generator
+    from specfork.loading.loader import load_model
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, progress=False)
+    generator = Generator(loaded, spec=spec, max_context=args.max_context)
+    generator.warm_up()
+    return generator
 
 
 def _require_server_packages() -> Any:

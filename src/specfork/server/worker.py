@@ -1,6 +1,8 @@
 """The one thread that owns the Generator, fed by a bounded queue of jobs.
 
-The Generator is not thread-safe, so exactly one worker thread runs it; HTTP handlers put jobs in
+The Generator is not thread-safe, so exactly one worker thread runs it; that thread is the one
+that loaded the model (see `specfork.model_thread`: PyTorch's CPU thread pool runs at full speed
+only for the thread that created it). HTTP handlers put jobs in
 a bounded queue (full: HTTP 429) and read the job's events (start, text deltas, done or error)
 from an asyncio queue the worker fills through the event loop. A cancelled job (its client went
 away) is skipped if it is still waiting, or stopped at the next decoding round if it is running.
@@ -14,11 +16,14 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
+from concurrent import futures
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.errors import PromptError, SpecforkError
+from specfork.model_thread import model_thread
 from specfork.server.metrics import ServerMetrics
 from specfork.server.schemas import APIError
 
@@ -133,9 +138,19 @@ class Job:
 
 
 class EngineWorker:
-    """Owns the engine; runs queued jobs one at a time in its own thread."""
+    """Owns the engine; runs queued jobs one at a time on the engine's model thread.
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics, settings: ServerSettings) -> None:
+    `thread` is the single-thread executor that loaded (and warmed) the engine's model; without
+    one the worker starts its own, which is right only if the model has not run anywhere yet.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: ServerMetrics,
+        settings: ServerSettings,
+        thread: Executor | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.settings = settings
@@ -144,7 +159,9 @@ class EngineWorker:
         self._stopping = False
         self._current: Job | None = None
         self._specs = {engine.default_spec, PLAIN}
-        self._thread = threading.Thread(target=self._run, name="specfork-engine", daemon=True)
+        self._executor = thread or model_thread()
+        self._owns_executor = thread is None
+        self._running: Future[None] | None = None
         metrics.track_queue(lambda: self.depth)
         metrics.speculation.set(int(engine.default_spec.strategy != "ar"))
 
@@ -155,10 +172,11 @@ class EngineWorker:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        running = self._running is not None and not self._running.done()
+        return running and not self._stopping
 
     def start(self) -> None:
-        self._thread.start()
+        self._running = self._executor.submit(self._run)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Refuse new jobs, fail the waiting ones, stop the running one, end the thread."""
@@ -174,8 +192,13 @@ class EngineWorker:
         if self._current is not None:
             self._current.cancel()
         self._queue.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        if self._running is not None:
+            try:
+                self._running.result(timeout)
+            except futures.TimeoutError:
+                log.warning("the engine thread did not stop within %.0f s", timeout)
+        if self._owns_executor:
+            self._executor.shutdown(wait=False)
 
     def submit(self, job: Job) -> None:
         """Queue a job; APIError 429 when the queue is full (503 when shutting down)."""
