@@ -36,6 +36,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from specfork.kernels import load_kernels
 from specfork.loading.loader import load_decoder
 from specfork.models import DecoderLM
 from tiny_models import TINY, VOCAB, randomize
@@ -177,17 +178,28 @@ class Pair:
         return self.ours.logits(hidden)[0]
 
 
+#: the eager PyTorch decoders and the compiled kernels' FastLM (models/fast.py)
+BACKENDS = ("eager", "kernels")
+
+
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pair]:
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pair]:
     @cache
-    def make(name: str) -> Pair:
+    def checkpoint(name: str) -> tuple[PreTrainedModel, Path]:
         case = CASES[name]
         hf = build_reference(case)
         folder = tmp_path_factory.mktemp(name)
         kwargs = {"max_shard_size": case.shard_size} if case.shard_size else {}
         hf.save_pretrained(folder, **kwargs)
-        ours = load_decoder(folder, dtype=torch.float32, device="cpu")
-        return Pair(case, hf, ours, folder)
+        return hf, folder
+
+    @cache
+    def make(name: str, backend: str = "eager") -> Pair:
+        if backend == "kernels" and load_kernels() is None:
+            pytest.skip("the compiled kernels cannot be built here")
+        hf, folder = checkpoint(name)
+        ours = load_decoder(folder, dtype="float32", device="cpu", kernels=backend == "kernels")
+        return Pair(CASES[name], hf, ours, folder)
 
     return make
 
@@ -249,6 +261,7 @@ def test_feature_changes_the_logits(pairs, name: str) -> None:
 
 @pytest.mark.parametrize("name", IDS)
 def test_full_prefill(pairs, name: str) -> None:
+    """A batch of two sequences (the eager decoders take [B, T]; FastLM runs one sequence)."""
     pair = pairs(name)
     batch = torch.stack((tokens_of(SEQ, 1), tokens_of(SEQ, 2)))  # [2, SEQ]
     cache_ = pair.ours.new_cache(64, batch=2)
@@ -261,9 +274,10 @@ def test_full_prefill(pairs, name: str) -> None:
         assert_close(logits[row], pair.ref(batch[row]), f"{name} prefill row {row}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", IDS)
-def test_chunked_prefill_then_steps(pairs, name: str) -> None:
-    pair = pairs(name)
+def test_chunked_prefill_then_steps(pairs, name: str, backend: str) -> None:
+    pair = pairs(name, backend)
     seq = tokens_of(SEQ, 3)
     cache_ = pair.ours.new_cache(64)
     parts = [pair.run(cache_, seq[:17]), pair.run(cache_, seq[17:26])]
@@ -273,9 +287,10 @@ def test_chunked_prefill_then_steps(pairs, name: str) -> None:
     assert_close(torch.cat(parts), pair.ref(seq), f"{name} chunked")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", IDS)
-def test_truncate_then_continue(pairs, name: str) -> None:
-    pair = pairs(name)
+def test_truncate_then_continue(pairs, name: str, backend: str) -> None:
+    pair = pairs(name, backend)
     prefix, rejected = tokens_of(30, 4), tokens_of(5, 5)
     accepted = (tokens_of(10, 6) + 1 + rejected.repeat(2)) % VOCAB  # differs from `rejected`
     cache_ = pair.ours.new_cache(64)
@@ -291,9 +306,10 @@ def test_truncate_then_continue(pairs, name: str) -> None:
     assert_close(torch.cat(parts), pair.ref(torch.cat((prefix, accepted))), f"{name} rollback")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", IDS)
-def test_explicit_causal_mask_equals_none(pairs, name: str) -> None:
-    pair = pairs(name)
+def test_explicit_causal_mask_equals_none(pairs, name: str, backend: str) -> None:
+    pair = pairs(name, backend)
     prefix, block = tokens_of(20, 7), tokens_of(12, 8)
     cache_ = pair.ours.new_cache(64)
     pair.run(cache_, prefix)
@@ -332,9 +348,10 @@ def test_tree_mask_helper() -> None:
     assert mask[6].nonzero().flatten().tolist() == list(BRANCH_B)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", IDS)
-def test_tree_mask_then_keep_branch(pairs, name: str) -> None:
-    pair = pairs(name)
+def test_tree_mask_then_keep_branch(pairs, name: str, backend: str) -> None:
+    pair = pairs(name, backend)
     p = 20  # longer than the sliding windows: the window must follow positions, not slots
     # 8 steps after the kept branch reach position 31, where a window of 8 starts to hide
     # kept slots: only right if keep() moved the slots' positions along with their K/V
@@ -408,12 +425,13 @@ def truncated_reference(pair: Pair, subset: Sequence[int]) -> PreTrainedModel:
     return small.eval()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("which", ["first", "subset"])
 @pytest.mark.parametrize("name", IDS)
-def test_layer_subset(pairs, name: str, which: str) -> None:
+def test_layer_subset(pairs, name: str, which: str, backend: str) -> None:
     """`layers=` runs only those blocks (then the final norm): the same as transformers' model
     built from just those layers, for a prefill and the single steps after it."""
-    pair = pairs(name)
+    pair = pairs(name, backend)
     subset = (0,) if which == "first" else pair.case.subset
     small = truncated_reference(pair, subset)
     seq = tokens_of(24, 12)

@@ -122,7 +122,12 @@ def test_logits_match_transformers_at_every_position(pair: SimpleNamespace) -> N
 
 
 def test_logits_past_the_sliding_window(pair: SimpleNamespace) -> None:
-    """Gemma 3's sliding layers see only the last 512 positions: check 600 of them."""
+    """Gemma 3's sliding layers see only the last 512 positions: check 600 of them.
+
+    Some of these positions are ill-conditioned (at position 483, transformers' own fp32
+    hidden state is 0.067 away from its float64 value), so specfork is held to the float64
+    truth: at every position no further from it than transformers' fp32 is, plus ATOL.
+    """
     if pair.name != GEMMA:
         pytest.skip("SmolLM2 has no sliding window")
     ids = _prompt_ids(pair, _long_text(60))[:600]
@@ -130,18 +135,34 @@ def test_logits_past_the_sliding_window(pair: SimpleNamespace) -> None:
     assert window == 512 and len(ids) == 600
     assert pair.ref.config.sliding_window == window
     assert "sliding_attention" in pair.ref.config.layer_types
+    assert pair.ref.config.final_logit_softcapping is None
     ours = _our_hidden(pair.ours, ids)  # [T, D]
     with torch.inference_mode():
         ref = pair.ref.model(torch.tensor([ids])).last_hidden_state[0]  # [T, D]
+        truth = _float64_hidden(pair.ref, ids)  # [T, D]
+        head64 = pair.ref.lm_head.weight.double()  # [V, D]
         worst = 0.0
         for start in range(0, len(ids), 100):  # logits [100, 262144] at a time
-            mine = pair.ours.model.logits(ours[start : start + 100])
-            theirs = pair.ref.lm_head(ref[start : start + 100]).float()
-            assert pair.ref.config.final_logit_softcapping is None
-            worst = max(worst, (mine - theirs).abs().max().item())
+            rows = slice(start, start + 100)
+            mine = pair.ours.model.logits(ours[rows])
+            theirs = pair.ref.lm_head(ref[rows]).float()
+            exact = truth[rows] @ head64.T
+            ours_err = (mine.double() - exact).abs().amax(-1)  # [100]
+            theirs_err = (theirs.double() - exact).abs().amax(-1)  # [100]
+            worst = max(worst, float((ours_err - theirs_err).max()))
             assert torch.equal(mine.argmax(-1), theirs.argmax(-1)), start
-    print(f"{pair.name}: max abs logit diff {worst:.2e} over {len(ids)} positions")
+    print(f"{pair.name}: logit error beyond transformers' fp32, worst {worst:.2e}")
     assert worst <= ATOL
+
+
+def _float64_hidden(ref: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """transformers' final hidden states in float64 (the model is restored to float32; nn.Module's
+    own casts, because transformers refuses .float() on a model it loaded from a GGUF)."""
+    try:
+        torch.nn.Module.double(ref)
+        return ref.model(torch.tensor([ids])).last_hidden_state[0]  # [T, D] float64
+    finally:
+        torch.nn.Module.float(ref)
 
 
 def test_speculation_is_exact_past_the_sliding_window(pair: SimpleNamespace) -> None:

@@ -44,8 +44,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="weights/activations dtype; auto = fastest on this machine",
+        choices=("auto", "float32", "bfloat16", "float16", "gguf"),
+        help="precision: gguf = a GGUF file's own quantized weights; auto = fastest here",
     )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")  # fmt: skip
 
@@ -309,7 +309,7 @@ def _generate(args: argparse.Namespace, err: Console) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     if not args.quiet and stream.result is not None:
-        model = f"{loaded.path.name} ({loaded.model.dtype}, {loaded.model.device})"
+        model = f"{loaded.path.name} ({loaded.model.describe()})"
         summary = (
             f"{model} | {stream.result.stats.summary()} | finish: {stream.result.finish_reason}"
         )

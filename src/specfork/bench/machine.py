@@ -56,8 +56,10 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return shlex.join(argv)
 
 
-def machine_info(dtype: str | None = None, device: str | None = None) -> dict[str, Any]:
-    """What results.json records about the machine and software."""
+def machine_info(
+    dtype: str | None = None, device: str | None = None, backend: str | None = None
+) -> dict[str, Any]:
+    """What results.json records about the machine and software (dtype: the precision)."""
     try:
         import transformers
 
@@ -68,5 +70,5 @@ def machine_info(dtype: str | None = None, device: str | None = None) -> dict[st
         "cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "transformers": tf_version, "python": platform.python_version(),
         "platform": platform.platform(), "specfork": __version__, "dtype": dtype, "device": device,
-        "command": command_line(),
+        "backend": backend, "command": command_line(),
     }  # fmt: skip

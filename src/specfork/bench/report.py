@@ -136,7 +136,7 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
         "",
         f"{doc['created']} · {m['cpu']} · {m['threads']} threads · torch {m['torch']} · "
         f"transformers {m.get('transformers') or 'not installed'} · specfork {m['specfork']} · "
-        f"{m['dtype']} on {m['device']}",
+        f"{m.get('backend') or m['dtype'] + ' on ' + m['device']}",
         "",
         f"Command: `{m['command']}`",
         "",

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from rich.console import Console
 
 from specfork.bench.machine import machine_info, peak_memory_mb, reset_peak_memory
@@ -41,8 +42,16 @@ from specfork.bench.specs import StrategySpec
 from specfork.bench.summary import per_prompt_figures, summarize
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.errors import ConfigError, PromptError
+from specfork.loading.loader import DTYPES, Model, resolve_dtype
 
 # ------------------------------------------------------------------------ runners
+
+
+def hf_dtype(model: Model) -> torch.dtype:
+    """The float dtype transformers baselines run in: the model's, bf16/fp32 for GGUF blocks."""
+    if model.precision == "gguf":
+        return resolve_dtype("auto", model.device)
+    return DTYPES[model.precision]
 
 
 def round_dict(record: Any) -> dict:
@@ -296,7 +305,7 @@ def run_benchmark(
     specs, added = ensure_plain(settings.strategies)
     if added:
         notes.append("added `ar` (plain decoding): speedups and greedy matches are against it")
-    config, sampling = settings.generation_config(), settings.sampling()
+    sampling = settings.sampling()
     if loaded is None:
         from specfork.loading.loader import load_model
 
@@ -312,11 +321,13 @@ def run_benchmark(
             "that learned that prompt's earlier run; measure with recycle_persist=false or "
             "--repeats 1 for figures free of that"
         )
-    strategies = _build_strategies(specs, loaded, generator, settings, config, sampling, notes)
     prompts = [
         PreparedPrompt(i, p, generator.encode_prompt(p.text))
         for i, p in enumerate(settings.prompts)
     ]
+    longest = max(len(p.ids) for p in prompts) + settings.max_new_tokens + 64  # warm-up included
+    context = min(generator.context, longest)
+    strategies = _build_strategies(specs, loaded, generator, settings, sampling, notes, context)
     progress = LiveProgress(console, enabled=show_progress and console is not None)
     warmup = BenchPrompt("warm-up", "warm-up", WARMUP_TEXT)
     measurements = run_interleaved(
@@ -340,8 +351,9 @@ def run_benchmark(
         logprob_fn=lambda prompt, out: target_logprob(loaded, prompt, out),
     )  # fmt: skip
     return BenchResults(
-        settings=settings, machine=machine_info(str(loaded.model.dtype).removeprefix("torch."),
-                                                str(loaded.model.device)),
+        settings=settings,
+        machine=machine_info(loaded.model.precision, str(loaded.model.device),
+                             loaded.model.describe()),
         strategies=strategies, prompts=prompts, measurements=measurements,
         per_prompt=per_prompt, summary=summarize(per_prompt, labels, categories),
         categories=categories, reference=reference, notes=notes, model_path=str(loaded.path),
@@ -353,15 +365,20 @@ def _build_strategies(
     loaded: Any,
     generator: Any,
     settings: BenchSettings,
-    config: GenerationConfig,
     sampling: SamplingParams,
     notes: list[str],
+    context: int,
 ) -> list[BenchStrategy]:
+    """Every strategy ready to run; `context` is the tokens a baseline's cache must hold."""
+    config = settings.generation_config()
     out: list[BenchStrategy] = []
     hf_state: dict[str, Any] = {}  # the transformers models, shared by all baselines
     for spec in specs:
         if spec.family == "hf":
             out.append(_build_hf(spec, specs, loaded, settings, sampling, notes, hf_state))
+            continue
+        if spec.family == "llamacpp":
+            out.append(_build_llamacpp(spec, loaded, settings, sampling, notes, context))
             continue
         spec = _with_expected_length(spec, settings.max_new_tokens)
         strategy = BenchStrategy(spec.label, "specfork", None, spec.describe())
@@ -392,7 +409,7 @@ def _build_hf(
         return BenchStrategy(spec.label, "hf", None, spec.describe(),
                              error="transformers is not installed", skipped=True)  # fmt: skip
     if "models" not in state:
-        state["models"] = hf.HFModels(loaded.model.dtype, loaded.model.device)
+        state["models"] = hf.HFModels(hf_dtype(loaded.model), loaded.model.device)
     drafts = [
         s.spec.drafter.removeprefix("model:")
         for s in specs
@@ -402,6 +419,29 @@ def _build_hf(
         spec, target_path=loaded.path, models=state["models"], n=settings.max_new_tokens,
         eos_ids=loaded.tokenizer.eos_ids, sampling=sampling, ignore_eos=settings.ignore_eos,
         default_draft=drafts[0] if drafts else None,
+    )  # fmt: skip
+
+
+def _build_llamacpp(
+    spec: StrategySpec,
+    loaded: Any,
+    settings: BenchSettings,
+    sampling: SamplingParams,
+    notes: list[str],
+    context: int,
+) -> BenchStrategy:
+    from specfork.bench import llamacpp
+
+    if not llamacpp.llamacpp_available():
+        note = ("llama-cpp-python is not installed: its baselines are skipped "
+                '(pip install "specfork[llamacpp]", see docs/benchmarks.md)')  # fmt: skip
+        if note not in notes:
+            notes.append(note)
+        return BenchStrategy(spec.label, "llamacpp", None, spec.describe(),
+                             error="llama-cpp-python is not installed", skipped=True)  # fmt: skip
+    return llamacpp.build_llamacpp_strategy(
+        spec, target_path=loaded.path, n=settings.max_new_tokens, context=context,
+        eos_ids=loaded.tokenizer.eos_ids, sampling=sampling, ignore_eos=settings.ignore_eos,
     )  # fmt: skip
 
 

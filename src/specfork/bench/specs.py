@@ -20,6 +20,9 @@ Syntax::
   (options ``draft`` = a packaged model name or path, default the first ``model:`` drafter of
   the run or else the target itself, ``k`` = ``num_assistant_tokens`` and ``schedule`` =
   ``num_assistant_tokens_schedule``).
+- ``llamacpp:ar`` is llama.cpp's plain decoding of the same GGUF (through llama-cpp-python),
+  ``llamacpp:lookup`` its prompt lookup decoding (options ``k``, tokens drafted per step, default
+  4, and ``max_ngram``, default 2).
 
 Examples: ``ar``, ``speculative:ngram?k=4&k_policy=heuristic``, ``speculative:self?skip_layers=
 10-19&k=3``, ``spork:recycle+ngram?forks=4&depth=6``, ``hf:prompt-lookup?k=10``. A list is
@@ -45,6 +48,11 @@ HF_METHODS: dict[str, dict[str, type]] = {
     "prompt-lookup": {"k": int, "max_ngram": int},
     "assisted": {"draft": str, "k": int, "schedule": str},
 }
+LLAMACPP_METHODS: dict[str, dict[str, type]] = {
+    "ar": {},
+    "lookup": {"k": int, "max_ngram": int},
+}
+BASELINES = {"hf": ("transformers", HF_METHODS), "llamacpp": ("llama.cpp", LLAMACPP_METHODS)}
 HF_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -56,8 +64,8 @@ _POSITIONAL = ("strategy", "drafter")  # given by the spec's prefix, not as opti
 class StrategySpec:
     """One parsed strategy spec.
 
-    ``family`` is "specfork" (``spec`` is the SpecConfig to run) or "hf" (``method`` is one of
-    HF_METHODS and ``options`` its converted options).
+    ``family`` is "specfork" (``spec`` is the SpecConfig to run), "hf" or "llamacpp" (``method``
+    is one of that baseline's methods and ``options`` its converted options).
     """
 
     label: str
@@ -85,7 +93,7 @@ class StrategySpec:
 def strategy_names() -> tuple[str, ...]:
     """Every strategy name a spec may start with (read at call time: new ones appear here)."""
     names = ["ar", *getattr(_config, "STRATEGIES", ("ar",))]
-    return (*dict.fromkeys(names), "hf")
+    return (*dict.fromkeys(names), *BASELINES)
 
 
 def spec_fields() -> dict[str, Any]:
@@ -123,8 +131,8 @@ def parse_strategy(text: str) -> StrategySpec:
     if colon and not drafter:
         raise ConfigError(f"strategy spec {label!r}: nothing after ':' (a drafter name)")
     raw = _split_options(query, label)
-    if name == "hf":
-        return _parse_hf(label, drafter, raw)
+    if name in BASELINES:
+        return _parse_baseline(label, name, drafter, raw)
     if name == "ar" and drafter:
         raise ConfigError(f"strategy spec {label!r}: plain decoding (ar) takes no drafter")
     fields = spec_fields()
@@ -263,17 +271,19 @@ def _split_options(query: str, label: str) -> dict[str, str]:
     return options
 
 
-def _parse_hf(label: str, method: str, raw: dict[str, str]) -> StrategySpec:
-    if method not in HF_METHODS:
-        choices = ", ".join(f"hf:{m}" for m in HF_METHODS)
-        raise ConfigError(f"strategy spec {label!r}: unknown transformers method; use {choices}")
-    allowed = HF_METHODS[method]
+def _parse_baseline(label: str, family: str, method: str, raw: dict[str, str]) -> StrategySpec:
+    """`hf:...` (transformers) or `llamacpp:...` (llama.cpp) with its options."""
+    name, methods = BASELINES[family]
+    if method not in methods:
+        choices = ", ".join(f"{family}:{m}" for m in methods)
+        raise ConfigError(f"strategy spec {label!r}: unknown {name} method; use {choices}")
+    allowed = methods[method]
     options: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in allowed:
             valid = ", ".join(allowed) or "none"
             raise ConfigError(
-                f"strategy spec {label!r}: unknown option {key!r} for hf:{method}; "
+                f"strategy spec {label!r}: unknown option {key!r} for {family}:{method}; "
                 f"valid options: {valid}"
             )
         options[key] = convert_value(value, allowed[key], key, label)
@@ -286,4 +296,4 @@ def _parse_hf(label: str, method: str, raw: dict[str, str]) -> StrategySpec:
         )
     if "draft" in options and not options["draft"].strip():
         raise ConfigError(f"strategy spec {label!r}: draft= needs a model name or path")
-    return StrategySpec(label, "hf", method=method, options=options)
+    return StrategySpec(label, family, method=method, options=options)

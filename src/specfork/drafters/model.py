@@ -164,13 +164,8 @@ class ModelDrafter:
 
 
 def step_weights(model: DecoderLM, layers: Sequence[int] | None = None) -> int:
-    """Weights one token's forward multiplies by: the blocks run (default all) and the LM head.
-
-    The embedding is a lookup, so it is left out; a proxy for the cost of a decoding step.
-    """
-    blocks = range(len(model.blocks)) if layers is None else layers
-    run = sum(p.numel() for i in blocks for p in model.blocks[i].parameters())
-    return run + model.lm_head.weight.numel()
+    """Weights one token's forward multiplies by (see `DecoderLM.step_weights`)."""
+    return model.step_weights(layers)
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:

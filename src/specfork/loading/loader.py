@@ -7,28 +7,35 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from specfork.config import ModelConfig
 from specfork.errors import ConfigError, ModelFormatError
+from specfork.kernels import load_kernels
+from specfork.loading import fast as fast_loader
 from specfork.loading import gguf as gguf_loader
 from specfork.loading import safetensors as st_loader
 from specfork.loading import weight_cache
 from specfork.loading.registry import cache_dir, resolve_model
 from specfork.loading.tokenizer import Tokenizer
 from specfork.models import DecoderLM, build_model
+from specfork.models.fast import FastLM, fits_kernels
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: What `--dtype` accepts besides "auto": the torch dtypes, and "gguf" (a GGUF's own blocks).
+PRECISIONS = (*DTYPES, "gguf")
+Model = DecoderLM | FastLM
 
 
 @dataclass
 class LoadedModel:
     """A model ready to run, its tokenizer, and where it came from."""
 
-    model: DecoderLM
+    model: Model
     tokenizer: Tokenizer
     path: Path
     load_seconds: float
@@ -64,18 +71,60 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """'auto' picks bf16 where it is fast (CUDA with bf16, CPUs with AVX-512 BF16/AMX).
-
-    On the 2-core AVX-512-BF16 development CPU, bf16 verifies 8 tokens in about the time of
-    one while fp32 needs about twice as long (docs/benchmarks.md), so bf16 is the default there.
-    """
+    """The torch dtype of a float precision; 'auto' picks bf16 where it is fast (CUDA with
+    bf16, CPUs with AVX-512 BF16/AMX), else fp16 (CUDA) or fp32."""
     if dtype != "auto":
         if dtype not in DTYPES:
-            raise ConfigError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+            raise ConfigError(f"unknown dtype {dtype!r}; use auto, {', '.join(PRECISIONS)}")
         return DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def resolve_precision(dtype: str | torch.dtype, device: torch.device, path: Path,
+                      kernels: ModuleType | None) -> str:  # fmt: skip
+    """The precision a model runs in: a `--dtype` value, or for 'auto' the fastest here.
+
+    On the CPU with the kernels, a GGUF whose weights the kernels run as stored runs at its own
+    precision ("gguf": llama.cpp's model and numerics, the fastest; docs/benchmarks.md);
+    anything else in bf16 where the CPU has bf16 dot products, else fp32.
+    """
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype not in ("auto", *PRECISIONS):
+        raise ConfigError(f"unknown dtype {dtype!r}; use auto, {', '.join(PRECISIONS)}")
+    if dtype == "gguf" and (path.is_dir() or device.type != "cpu"):
+        raise ConfigError("--dtype gguf runs a .gguf file's own weights on the CPU; "
+                          "use bfloat16 or float32 for this model")  # fmt: skip
+    if dtype != "auto":
+        return dtype
+    if kernels is not None and device.type == "cpu" and path.is_file():
+        why = fast_loader.unsupported(gguf_loader.open_gguf(path))
+        if why is None:
+            return "gguf"
+        log.info("%s runs in bfloat16/float32: %s", path.name, why)
+    return str(resolve_dtype("auto", device)).removeprefix("torch.")
+
+
+def kernels_for(device: torch.device, wanted: bool | None) -> ModuleType | None:
+    """The compiled kernels when they should run: on the CPU, unless `wanted` is False.
+
+    None (auto) uses them where they have a vector path for this CPU; True insists on them
+    (ConfigError when they cannot be built or loaded).
+    """
+    if wanted is False or device.type != "cpu":
+        if wanted and device.type != "cpu":
+            raise ConfigError("specfork's kernels run on the CPU; use --device cpu")
+        return None
+    module = load_kernels()
+    if module is None and wanted:
+        raise ConfigError("specfork's compiled kernels are not available here (see the log "
+                          "above for why); run without them or install a C++ compiler")  # fmt: skip
+    if module is not None and wanted is None and module.isa() == "generic":
+        log.info("the kernels have no vector code for this CPU; the eager PyTorch path runs")
+        return None
+    return module
 
 
 def load_model(
@@ -84,29 +133,61 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     progress: bool = True,
+    kernels: bool | None = None,
 ) -> LoadedModel:
-    """Load weights and tokenizer; `name_or_path` is a packaged name, a .gguf or a folder."""
+    """Load weights and tokenizer; `name_or_path` is a packaged name, a .gguf or a folder.
+
+    `dtype`: auto, float32, bfloat16, float16 or gguf (a GGUF's own quantized weights).
+    `kernels`: run on specfork's compiled CPU kernels (None: where they help; see
+    `kernels_for`); they are batch-invariant, so speculative output is bitwise plain output.
+    """
     t0 = time.perf_counter()
     path = resolve_model(name_or_path, progress=progress)
-    model = load_decoder(path, dtype=dtype, device=device)
+    model = load_decoder(path, dtype=dtype, device=device, kernels=kernels)
     if path.is_dir():
         tokenizer = Tokenizer.from_folder(path)
     else:
         tokenizer = Tokenizer.from_gguf(path, cache_dir() / "tokenizers")
     seconds = time.perf_counter() - t0
-    log.info("loaded %s (%s, %s) in %.2f s", path.name, model.dtype, model.device, seconds)
+    log.info("loaded %s (%s) in %.2f s", path.name, model.describe(), seconds)
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, load_seconds=seconds)
 
 
 def load_decoder(
-    path: Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"
-) -> DecoderLM:
+    path: Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    kernels: bool | None = None,
+) -> Model:
     """The model of a .gguf file or a checkpoint folder, without its tokenizer.
 
-    Converted GGUF weights are cached (see `weight_cache`), so a second load is fast.
+    On the kernels (see `load_model`) unless they are off or unavailable; else eager PyTorch.
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
-    dt = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, dev)
+    module = kernels_for(dev, kernels)
+    precision = resolve_precision(dtype, dev, path, module)
+    if precision == "gguf":
+        if module is None:
+            raise ConfigError("--dtype gguf runs on specfork's compiled kernels, which are off "
+                              "or not available here; use --dtype bfloat16 or float32")  # fmt: skip
+        return fast_loader.load_gguf_fast(path, module)
+    on_kernels = module is not None and precision in ("bfloat16", "float32")
+    model = load_eager(path, DTYPES[precision], dev, relayout=not on_kernels)
+    if on_kernels:
+        why = fits_kernels(model.config)
+        if why is None:
+            return FastLM.from_decoder(module, model, precision)
+        log.info("%s runs on the eager path: %s", path.name, why)
+        model = load_eager(path, DTYPES[precision], dev)
+    return model
+
+
+def load_eager(path: Path, dt: torch.dtype, dev: torch.device, relayout: bool = True) -> DecoderLM:
+    """The eager PyTorch model (converted GGUF weights are cached, see `weight_cache`).
+
+    `relayout` stores the weights the way the eager CPU kernels run fastest.
+    """
     if path.is_dir():
         cfg = st_loader.config_from_hf(st_loader.read_config(path))
         model = _skeleton(cfg)
@@ -125,9 +206,9 @@ def load_decoder(
     for rotary in (model.rotary, model.rotary_local):
         if rotary is not None:
             rotary.reset_inv_freq(dev)
-    if dev.type == "cpu" and dt == torch.float32:
+    if relayout and dev.type == "cpu" and dt == torch.float32:
         model.use_column_major_weights()
-    if dev.type == "cpu" and dt == torch.bfloat16:
+    if relayout and dev.type == "cpu" and dt == torch.bfloat16:
         model.use_packed_weights()
     return model.eval().requires_grad_(False)
 

@@ -21,7 +21,37 @@ from specfork.config import ModelConfig
 from specfork.models.layers import Linear, RMSNorm, Rotary
 
 
-class DecoderLM(nn.Module):
+class Steps:
+    """What every model builds on its forward: appending a chain of tokens to a cache."""
+
+    config: ModelConfig
+
+    def extend(
+        self,
+        ids: Sequence[int],
+        cache: KVCache,
+        *,
+        layers: Sequence[int] | None = None,
+        chunk: int = 512,
+        last_only: bool = True,
+    ) -> torch.Tensor:
+        """Append a chain of tokens to the cache (positions = slots, in chunks of `chunk`).
+
+        Returns float32 logits of the last token [V], or of every token [T, V].
+        """
+        dev = self.device  # type: ignore[attr-defined]
+        tokens = torch.tensor(ids, device=dev)  # [T]
+        outs = []
+        for i in range(0, len(ids), chunk):
+            piece = tokens[i : i + chunk]  # [C]
+            positions = torch.arange(cache.length, cache.length + len(piece), device=dev)  # [C]
+            hidden = self(piece[None], positions, cache, layers=layers)[0]  # [C, D]
+            outs.append(hidden[-1:] if last_only else hidden)
+        hidden = outs[-1][-1] if last_only else torch.cat(outs)  # [D] or [T, D]
+        return self.logits(hidden)
+
+
+class DecoderLM(Steps, nn.Module):
     """Base class; subclasses build `self.blocks` and may override `embed`."""
 
     unit_offset_norm = False
@@ -69,30 +99,6 @@ class DecoderLM(nn.Module):
             h = self.norm(h)
         cache.commit_pending()
         return h
-
-    def extend(
-        self,
-        ids: Sequence[int],
-        cache: KVCache,
-        *,
-        layers: Sequence[int] | None = None,
-        chunk: int = 512,
-        last_only: bool = True,
-    ) -> torch.Tensor:
-        """Append a chain of tokens to the cache (positions = slots, in chunks of `chunk`).
-
-        Returns float32 logits of the last token [V], or of every token [T, V].
-        """
-        dev = self.device
-        tokens = torch.tensor(ids, device=dev)  # [T]
-        outs = []
-        for i in range(0, len(ids), chunk):
-            piece = tokens[i : i + chunk]  # [C]
-            positions = torch.arange(cache.length, cache.length + len(piece), device=dev)  # [C]
-            hidden = self(piece[None], positions, cache, layers=layers)[0]  # [C, D]
-            outs.append(hidden[-1:] if last_only else hidden)
-        hidden = outs[-1][-1] if last_only else torch.cat(outs)  # [D] or [T, D]
-        return self.logits(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [..., D] → float32 logits [..., V]."""
@@ -222,6 +228,22 @@ class DecoderLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def describe(self) -> str:
+        """Precision, device and backend, as outputs and benchmark rows state them."""
+        return f"{self.precision}, {self.device.type}, eager PyTorch"
+
+    @property
+    def precision(self) -> str:
+        """The weights' precision as specfork names it (float32, bfloat16, float16)."""
+        return str(self.dtype).removeprefix("torch.")
+
+    def step_weights(self, layers: Sequence[int] | None = None) -> int:
+        """Weights one token's forward multiplies by: the blocks run (default all) and the LM
+        head (the embedding is a lookup); a proxy for the cost of a decoding step."""
+        blocks = range(len(self.blocks)) if layers is None else layers
+        run = sum(p.numel() for i in blocks for p in self.blocks[i].parameters())
+        return run + self.lm_head.weight.numel()
 
     @property
     def device(self) -> torch.device:

@@ -83,7 +83,10 @@ def _draft_model(name_or_path: str, target: LoadedModel) -> Drafter:
     from specfork.loading.registry import resolve_model
 
     path = resolve_model(name_or_path, progress=False)
-    draft = load_decoder(path, dtype=target.model.dtype, device=target.model.device)
+    precision = target.model.precision
+    if precision == "gguf" and path.is_dir():
+        precision = "auto"  # a checkpoint folder has no GGUF blocks to keep
+    draft = load_decoder(path, dtype=precision, device=target.model.device)
     v_target, v_draft = target.model.config.vocab_size, draft.config.vocab_size
     if v_target != v_draft:
         raise ConfigError(

@@ -1,0 +1,182 @@
+"""Build specfork's CPU kernels (csrc/) once per machine and load them.
+
+The kernels are a PyTorch C++ extension compiled on first use with the machine's C++ compiler
+(about a minute on two cores) and kept in specfork's cache folder, one folder per key: the
+sources, PyTorch's version, the compiler, the Python ABI, the CPU's instruction sets and
+specfork's version. A kernel built for other instruction sets is never loaded: a key of its own
+keeps it apart, and the code picks its instruction set at run time. A build happens in a
+temporary folder that is renamed into place only once it is complete, so an interrupted build
+leaves nothing that could be loaded; a cached artifact whose checksum does not match is rebuilt.
+
+Without a C++ compiler (or with SPECFORK_KERNELS=0) `load_kernels` returns None after one log
+line, and models run on the eager PyTorch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from specfork.loading.registry import cache_dir
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("common.cpp", "gemm.cpp", "attention.cpp", "model.cpp")
+CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")  # OpenMP: at::parallel_for
+LDFLAGS = ("-fopenmp",)  # links libgomp.so.1, which resolves to the one PyTorch loaded
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+             "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")  # fmt: skip
+READY = "READY"  # a built folder's marker: the sha256 of its library
+
+
+class KernelsUnavailable(RuntimeError):
+    """The kernels cannot be built or loaded here (the reason is the message)."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler PyTorch's extension builder will use, if there is one."""
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """The instruction sets of this CPU that the kernels may use (part of the artifact key)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return (platform.machine(),)
+    words = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            words.update(line.split(":", 1)[1].split())
+            break
+    return (platform.machine(), *(f for f in CPU_FLAGS if f in words))
+
+
+def artifact_key(cxx: str) -> str:
+    """Hex digest naming one build: sources, torch, compiler, Python, CPU, specfork."""
+    from specfork import __version__
+
+    h = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False)
+    for part in (torch.__version__, version.stdout.splitlines()[:1], sys.version, CFLAGS, LDFLAGS,
+                 cpu_flags(), __version__):  # fmt: skip
+        h.update(repr(part).encode())
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def load_kernels() -> ModuleType | None:
+    """The compiled kernels (built on first use), or None where they cannot run."""
+    if os.environ.get("SPECFORK_KERNELS", "1").lower() in ("0", "off", "false", "no"):
+        log.info("SPECFORK_KERNELS is off: the eager PyTorch path runs")
+        return None
+    try:
+        return _load_or_build()
+    except KernelsUnavailable as exc:
+        log.warning("%s; the eager PyTorch path runs (slower)", exc)
+        return None
+
+
+def _load_or_build() -> ModuleType:
+    cxx = compiler()
+    if cxx is None:
+        raise KernelsUnavailable("no C++ compiler to build the kernels (install g++ or set CXX)")
+    key = artifact_key(cxx)
+    name = f"specfork_kernels_{key}"
+    folder = cache_dir() / "kernels" / key
+    library = folder / f"{name}.so"
+    if _intact(folder, library):
+        try:
+            return _import(name, library)
+        except ImportError as exc:
+            log.warning("cached kernels in %s do not load (%s); rebuilding", folder, exc)
+    shutil.rmtree(folder, ignore_errors=True)
+    return _build(name, folder, cxx)
+
+
+def _intact(folder: Path, library: Path) -> bool:
+    marker = folder / READY
+    if not (marker.is_file() and library.is_file()):
+        return False
+    return marker.read_text().strip() == _sha256(library)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _import(name: str, library: Path) -> ModuleType:
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+def _build(name: str, folder: Path, cxx: str) -> ModuleType:
+    """Compile into a temporary folder, then move it into place (never half-written)."""
+    from torch.utils import cpp_extension
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _put_ninja_on_path()
+    log.warning("compiling specfork's CPU kernels (once per machine; about a minute)…")
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        os.environ.setdefault("CXX", cxx)
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(tmp),
+            verbose=False,
+        )
+        built = tmp / f"{name}.so"
+        (tmp / READY).write_text(_sha256(built))
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process finished the same build first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.debug("kernel build output:\n%s", exc)
+        first = next((ln for ln in str(exc).splitlines() if "error" in ln), str(exc)[:200])
+        raise KernelsUnavailable(f"building the kernels failed ({first.strip()})") from exc
+    log.warning("kernels compiled in %.0f s (cached in %s)", time.perf_counter() - t0, folder)
+    return module
+
+
+def _put_ninja_on_path() -> None:
+    """PyTorch's builder runs `ninja`; the `ninja` package's binary is not on PATH in a venv
+    that was not activated."""
+    try:
+        import ninja
+
+        bin_dir = str(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        bin_dir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + path

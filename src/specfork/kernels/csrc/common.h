@@ -1,0 +1,55 @@
+// Shared definitions of specfork's CPU kernels: instruction-set levels, number conversions,
+// and the thread split every kernel uses.
+//
+// Batch invariance is the rule throughout: the value computed for one row (one token) never
+// depends on how many rows share the call, on where a row sits among them, or on the number of
+// threads. Work is split across threads by output columns, heads or rows only, never along a
+// reduction, and every reduction runs in one fixed order.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include <ATen/Parallel.h>
+
+#define SF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
+#define SF_AVX512BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,f16c,fma")))
+
+namespace sf {
+
+// Instruction-set levels, chosen once per process (SPECFORK_ISA may lower it, for tests).
+enum Isa : int { kGeneric = 0, kAvx512 = 2 };
+
+int isa_level();        // kGeneric or kAvx512
+bool has_avx512bf16();  // native bf16 dot products (vdpbf16ps)
+const char* isa_name();
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even (NaN stays NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float f16_to_f32(uint16_t h);  // IEEE half (exact)
+uint16_t f32_to_f16(float f);  // round to nearest even
+
+// Splits [0, n) over the intra-op threads; `fn(begin, end)` runs on each part.
+template <typename F>
+inline void parallel(int64_t n, F&& fn) {
+  if (n <= 0) return;
+  at::parallel_for(0, n, 1, fn);
+}
+
+}  // namespace sf

@@ -1,0 +1,368 @@
+#include "gemm.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "common.h"
+
+namespace sf {
+
+int64_t block_bytes(Kind kind) {
+  switch (kind) {
+    case Kind::Q4: return 320;
+    case Kind::Q8: return 544;
+    case Kind::BF16: return 1024;
+    case Kind::F32: return 2048;
+  }
+  throw std::invalid_argument("unknown weight kind");
+}
+
+Activations::Activations(const float* x_, int64_t rows_, int64_t k_, int64_t ld_)
+    : x(x_), rows(rows_), k(k_), ld(ld_) {}
+
+// -- activation forms ----------------------------------------------------------------------------
+
+static void quantize_block(const float* x, int8_t* q, float* d, float* ds, int32_t* s) {
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / 127.f;
+  const float inv = scale != 0.f ? 1.f / scale : 0.f;
+  int32_t sum = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    float v = std::nearbyint(x[i] * inv);
+    v = std::min(127.f, std::max(-127.f, v));
+    q[i] = static_cast<int8_t>(v);
+    sum += q[i];
+  }
+  *d = scale;
+  *s = sum;
+  *ds = scale * static_cast<float>(sum);
+}
+
+SF_AVX512 static inline __m512i codes16(__m512 v, __m512 inv) {
+  v = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(127.f)), _mm512_set1_ps(-127.f)));
+}
+
+// The same arithmetic as quantize_block, 32 inputs at a time (bitwise the same results).
+SF_AVX512 static void quantize_block_avx512(const float* x, int8_t* q, float* d, float* ds,
+                                            int32_t* s) {
+  const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  const float scale = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+  const __m512i a = codes16(lo, inv), b = codes16(hi, inv);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(a));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(b));
+  const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
+  *d = scale;
+  *s = sum;
+  *ds = scale * static_cast<float>(sum);
+}
+
+SF_AVX512 static void to_bf16_avx512(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // round to nearest even, like f32_to_bf16 (finite values)
+    const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(x + i));
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_loadu_ps(x + i), _CMP_UNORD_Q);
+    const __m512i v = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+  }
+  for (; i < n; ++i) out[i] = f32_to_bf16(x[i]);
+}
+
+void Activations::need(Kind kind) {
+  const bool vec = isa_level() == kAvx512;
+  if ((kind == Kind::Q4 || kind == Kind::Q8) && !have_q_) {
+    const int64_t nb = k / kBlock;
+    q.resize(rows * k);
+    d.resize(rows * nb);
+    ds.resize(rows * nb);
+    s.resize(rows * nb);
+    auto quantize_rows = [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+          const float* in = x + r * ld + b * kBlock;
+          const int64_t at = r * nb + b;
+          if (vec)
+            quantize_block_avx512(in, &q[r * k + b * kBlock], &d[at], &ds[at], &s[at]);
+          else
+            quantize_block(in, &q[r * k + b * kBlock], &d[at], &ds[at], &s[at]);
+        }
+    };
+    if (rows * nb >= 256)  // large inputs (prefill) are worth the threads
+      parallel(rows, quantize_rows);
+    else
+      quantize_rows(0, rows);
+    have_q_ = true;
+  }
+  if (kind == Kind::BF16 && !have_bf_) {
+    bf.resize(rows * k);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (vec)
+        to_bf16_avx512(x + r * ld, &bf[r * k], k);
+      else
+        for (int64_t i = 0; i < k; ++i) bf[r * k + i] = f32_to_bf16(x[r * ld + i]);
+    }
+    have_bf_ = true;
+  }
+}
+
+// -- generic kernels (any CPU; same arithmetic as the vector kernels for Q4, Q8 and F32) ---------
+
+static void tile_generic(const PackedLinear& w, const Activations& a, int64_t tile, int64_t r,
+                         float acc[kTile]) {
+  const int64_t nb = w.k / kBlock, bytes = block_bytes(w.kind);
+  const uint8_t* base = w.data + tile * nb * bytes;
+  for (int c = 0; c < kTile; ++c) acc[c] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = base + b * bytes;
+    if (w.kind == Kind::Q4 || w.kind == Kind::Q8) {
+      const int8_t* xq = &a.q[r * w.k + b * kBlock];
+      const float dx = a.d[r * nb + b];
+      const uint16_t* dw = reinterpret_cast<const uint16_t*>(p + (w.kind == Kind::Q4 ? 256 : 512));
+      for (int c = 0; c < kTile; ++c) {
+        int32_t isum = 0;
+        for (int j = 0; j < kBlock; ++j) {
+          int32_t code;
+          if (w.kind == Kind::Q4) {
+            const int g = j / 4;
+            const uint8_t byte = p[64 * (g / 2) + 4 * c + j % 4];
+            code = g % 2 == 0 ? (byte & 0x0f) : (byte >> 4);
+          } else {
+            code = p[64 * (j / 4) + 4 * c + j % 4];
+          }
+          isum += code * xq[j];
+        }
+        if (w.kind == Kind::Q8) isum -= 128 * a.s[r * nb + b];
+        const float scale = f16_to_f32(dw[c]) * dx;
+        acc[c] = std::fma(static_cast<float>(isum), scale, acc[c]);
+        if (w.kind == Kind::Q4) acc[c] = std::fma(f16_to_f32(dw[16 + c]), a.ds[r * nb + b], acc[c]);
+      }
+    } else if (w.kind == Kind::BF16) {
+      const uint16_t* wv = reinterpret_cast<const uint16_t*>(p);
+      const uint16_t* xb = &a.bf[r * w.k + b * kBlock];
+      for (int pr = 0; pr < kBlock / 2; ++pr)
+        for (int c = 0; c < kTile; ++c) {
+          acc[c] = std::fma(bf16_to_f32(wv[32 * pr + 2 * c + 1]), bf16_to_f32(xb[2 * pr + 1]), acc[c]);
+          acc[c] = std::fma(bf16_to_f32(wv[32 * pr + 2 * c]), bf16_to_f32(xb[2 * pr]), acc[c]);
+        }
+    } else {
+      const float* wv = reinterpret_cast<const float*>(p);
+      const float* x = a.x + r * a.ld + b * kBlock;
+      for (int i = 0; i < kBlock; ++i)
+        for (int c = 0; c < kTile; ++c) acc[c] = std::fma(wv[16 * i + c], x[i], acc[c]);
+    }
+  }
+}
+
+// -- AVX-512 kernels -----------------------------------------------------------------------------
+
+// Integer dot products of one block for RT rows: group g of 4 inputs at a time, two partial
+// sums per row (even and odd groups) so that 2*RT independent chains keep the unit busy. The
+// integer sums are exact, so splitting them changes nothing in the result.
+template <int RT>
+SF_AVX512 static inline void dot_block(const __m512i* w, const Activations& a, int64_t r0,
+                                       int64_t at, __m512i* s) {
+  __m512i even[RT], odd[RT];
+  for (int r = 0; r < RT; ++r) even[r] = odd[r] = _mm512_setzero_si512();
+  for (int g = 0; g < 8; g += 2)
+    for (int r = 0; r < RT; ++r) {
+      const int32_t* x4 = reinterpret_cast<const int32_t*>(&a.q[(r0 + r) * a.k + at]);
+      even[r] = _mm512_dpbusd_epi32(even[r], w[g], _mm512_set1_epi32(x4[g]));
+      odd[r] = _mm512_dpbusd_epi32(odd[r], w[g + 1], _mm512_set1_epi32(x4[g + 1]));
+    }
+  for (int r = 0; r < RT; ++r) s[r] = _mm512_add_epi32(even[r], odd[r]);
+}
+
+template <int RT>
+SF_AVX512 static void q4_avx512(const uint8_t* wt, int64_t nb, const Activations& a, int64_t r0,
+                                __m512* acc) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = wt + b * 320;
+    __m512i w[8], s[RT];
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(p + 64 * i);
+      w[2 * i] = _mm512_and_si512(v, low);
+      w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    dot_block<RT>(w, a, r0, b * kBlock, s);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
+    for (int r = 0; r < RT; ++r) {
+      const int64_t at = (r0 + r) * nb + b;
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d[at]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.ds[at]), acc[r]);
+    }
+  }
+}
+
+template <int RT>
+SF_AVX512 static void q8_avx512(const uint8_t* wt, int64_t nb, const Activations& a, int64_t r0,
+                                __m512* acc) {
+  for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = wt + b * 544;
+    __m512i w[8], s[RT];
+    for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(p + 64 * g);
+    dot_block<RT>(w, a, r0, b * kBlock, s);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 512)));
+    for (int r = 0; r < RT; ++r) {
+      const int64_t at = (r0 + r) * nb + b;
+      const __m512i fixed = _mm512_sub_epi32(s[r], _mm512_set1_epi32(128 * a.s[at]));
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d[at]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fixed), scale, acc[r]);
+    }
+  }
+}
+
+template <int RT>
+SF_AVX512 static void f32_avx512(const uint8_t* wt, int64_t nb, const Activations& a, int64_t r0,
+                                 __m512* acc) {
+  for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* p = reinterpret_cast<const float*>(wt + b * 2048);
+    for (int i = 0; i < kBlock; ++i) {
+      const __m512 wv = _mm512_loadu_ps(p + 16 * i);
+      for (int r = 0; r < RT; ++r)
+        acc[r] = _mm512_fmadd_ps(wv, _mm512_set1_ps(a.x[(r0 + r) * a.ld + b * kBlock + i]), acc[r]);
+    }
+  }
+}
+
+template <int RT>
+SF_AVX512 static void bf16_avx512(const uint8_t* wt, int64_t nb, const Activations& a, int64_t r0,
+                                  __m512* acc) {  // without native bf16 dot products
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = wt + b * 1024;
+    for (int pr = 0; pr < kBlock / 2; ++pr) {
+      const __m512i wv = _mm512_loadu_si512(p + 64 * pr);
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(wv, high));
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+      for (int r = 0; r < RT; ++r) {
+        const uint16_t* xb = &a.bf[(r0 + r) * a.k + b * kBlock + 2 * pr];
+        acc[r] = _mm512_fmadd_ps(odd, _mm512_set1_ps(bf16_to_f32(xb[1])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(even, _mm512_set1_ps(bf16_to_f32(xb[0])), acc[r]);
+      }
+    }
+  }
+}
+
+template <int RT>
+SF_AVX512BF16 static void bf16_native(const uint8_t* wt, int64_t nb, const Activations& a,
+                                      int64_t r0, __m512* acc) {
+  for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = wt + b * 1024;
+    for (int pr = 0; pr < kBlock / 2; ++pr) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(p + 64 * pr);
+      for (int r = 0; r < RT; ++r) {
+        int32_t two;
+        std::memcpy(&two, &a.bf[(r0 + r) * a.k + b * kBlock + 2 * pr], 4);
+        acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_set1_epi32(two));
+      }
+    }
+  }
+}
+
+template <int RT>
+SF_AVX512BF16 static void rows_avx512(const PackedLinear& w, const Activations& a, int64_t tile,
+                                      int64_t r0, float* y, int64_t ldy) {
+  const int64_t nb = w.k / kBlock;
+  const uint8_t* wt = w.data + tile * nb * block_bytes(w.kind);
+  __m512 acc[RT];
+  switch (w.kind) {
+    case Kind::Q4: q4_avx512<RT>(wt, nb, a, r0, acc); break;
+    case Kind::Q8: q8_avx512<RT>(wt, nb, a, r0, acc); break;
+    case Kind::F32: f32_avx512<RT>(wt, nb, a, r0, acc); break;
+    case Kind::BF16:
+      if (has_avx512bf16())
+        bf16_native<RT>(wt, nb, a, r0, acc);
+      else
+        bf16_avx512<RT>(wt, nb, a, r0, acc);
+      break;
+  }
+  const int64_t c0 = tile * kTile;
+  const int64_t cols = std::min<int64_t>(kTile, w.n - c0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 bias = w.bias ? _mm512_maskz_loadu_ps(mask, w.bias + c0) : _mm512_setzero_ps();
+  for (int r = 0; r < RT; ++r)
+    _mm512_mask_storeu_ps(y + (r0 + r) * ldy + c0, mask, _mm512_add_ps(acc[r], bias));
+}
+
+SF_AVX512BF16 static void tiles_avx512(const PackedLinear& w, const Activations& a, int64_t t0,
+                                       int64_t t1, float* y, int64_t ldy) {
+  for (int64_t t = t0; t < t1; ++t) {
+    int64_t r = 0;
+    for (; r + 8 <= a.rows; r += 8) rows_avx512<8>(w, a, t, r, y, ldy);
+    for (; r + 4 <= a.rows; r += 4) rows_avx512<4>(w, a, t, r, y, ldy);
+    switch (a.rows - r) {
+      case 3: rows_avx512<3>(w, a, t, r, y, ldy); break;
+      case 2: rows_avx512<2>(w, a, t, r, y, ldy); break;
+      case 1: rows_avx512<1>(w, a, t, r, y, ldy); break;
+      default: break;
+    }
+  }
+}
+
+static void tiles_generic(const PackedLinear& w, const Activations& a, int64_t t0, int64_t t1,
+                          float* y, int64_t ldy) {
+  float acc[kTile];
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r = 0; r < a.rows; ++r) {
+      tile_generic(w, a, t, r, acc);
+      for (int64_t c = t * kTile; c < std::min(w.n, (t + 1) * kTile); ++c)
+        y[r * ldy + c] = acc[c - t * kTile] + (w.bias ? w.bias[c] : 0.f);
+    }
+}
+
+void linear(const PackedLinear& w, Activations& a, float* y, int64_t ldy) {
+  if (w.k != a.k) throw std::invalid_argument("linear: input size does not match the weight");
+  a.need(w.kind);
+  const int64_t tiles = (w.n + kTile - 1) / kTile;
+  const bool vec = isa_level() == kAvx512;
+  parallel(tiles, [&](int64_t t0, int64_t t1) {
+    if (vec)
+      tiles_avx512(w, a, t0, t1, y, ldy);
+    else
+      tiles_generic(w, a, t0, t1, y, ldy);
+  });
+}
+
+void unpack_row(const PackedLinear& w, int64_t row, float* out) {
+  const int64_t nb = w.k / kBlock, bytes = block_bytes(w.kind);
+  const int64_t tile = row / kTile, c = row % kTile;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = w.data + (tile * nb + b) * bytes;
+    for (int j = 0; j < kBlock; ++j) {
+      float v;
+      if (w.kind == Kind::Q4) {
+        const int g = j / 4, i = g / 2;
+        const uint8_t byte = p[64 * i + 4 * c + j % 4];
+        const int code = g % 2 == 0 ? (byte & 0x0f) : (byte >> 4);
+        const uint16_t* dm = reinterpret_cast<const uint16_t*>(p + 256);
+        v = std::fma(f16_to_f32(dm[c]), static_cast<float>(code), f16_to_f32(dm[16 + c]));
+      } else if (w.kind == Kind::Q8) {
+        const int code = static_cast<int>(p[64 * (j / 4) + 4 * c + j % 4]) - 128;
+        v = f16_to_f32(reinterpret_cast<const uint16_t*>(p + 512)[c]) * static_cast<float>(code);
+      } else if (w.kind == Kind::BF16) {
+        v = bf16_to_f32(reinterpret_cast<const uint16_t*>(p)[32 * (j / 2) + 2 * c + j % 2]);
+      } else {
+        v = reinterpret_cast<const float*>(p)[16 * j + c];
+      }
+      out[b * kBlock + j] = v;
+    }
+  }
+}
+
+}  // namespace sf

@@ -1,0 +1,452 @@
+// FastModel: a whole decoder forward (Llama and Gemma 3 families) in one call, over weights
+// packed for gemm.cpp and the caller's KV cache. Python keeps the cache, the positions and the
+// tree mask; this file only computes. Every step is row-wise or uses the batch-invariant
+// kernels, so a row's hidden state never depends on the other rows of the call.
+#include <torch/extension.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attention.h"
+#include "common.h"
+#include "gemm.h"
+#include "vecmath.h"
+
+namespace sf {
+
+namespace {
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+// A packed weight and the tensors that own its memory.
+struct Packed {
+  PackedLinear w;
+  torch::Tensor data, bias;
+  Packed(int64_t kind, int64_t n, int64_t k, torch::Tensor data_, std::optional<torch::Tensor> bias_)
+      : data(std::move(data_)) {
+    check(kind >= 0 && kind <= 3, "unknown weight kind");
+    check(k % kBlock == 0, "packed weights need an input size that is a multiple of 32");
+    w.kind = static_cast<Kind>(kind);
+    w.n = n;
+    w.k = k;
+    const int64_t tiles = (n + kTile - 1) / kTile;
+    check(data.dtype() == torch::kUInt8 && data.is_contiguous() && data.device().is_cpu(),
+          "packed data must be a contiguous uint8 CPU tensor");
+    check(data.numel() == tiles * (k / kBlock) * block_bytes(w.kind), "packed data has the wrong size");
+    w.data = data.data_ptr<uint8_t>();
+    if (bias_.has_value()) {
+      bias = bias_->to(torch::kFloat32).contiguous();
+      check(bias.numel() == n, "bias size does not match the weight");
+      w.bias = bias.data_ptr<float>();
+    }
+  }
+};
+using PackedPtr = std::shared_ptr<Packed>;
+
+// Several packed weights reading the same input, outputs side by side (q|k|v, gate|up).
+struct Fused {
+  std::vector<PackedPtr> parts;
+  int64_t n = 0;
+  void run(Activations& a, float* y, int64_t ldy) const {
+    int64_t at = 0;
+    for (const auto& p : parts) {
+      linear(p->w, a, y + at, ldy);
+      at += p->w.n;
+    }
+  }
+};
+
+Fused fuse(const std::vector<PackedPtr>& parts, int64_t k) {
+  Fused f{parts, 0};
+  check(!parts.empty(), "a linear layer needs at least one weight");
+  for (const auto& p : parts) {
+    check(p->w.k == k, "weight input size does not match the layer");
+    f.n += p->w.n;
+  }
+  return f;
+}
+
+struct Norm {
+  torch::Tensor w;  // float32, the multiplier itself (Gemma's 1 + w already added)
+  bool present() const { return w.defined(); }
+};
+
+struct Layer {
+  Fused qkv, o, gate_up, down;
+  Norm attn_norm, post_attn_norm, mlp_norm, post_mlp_norm, q_norm, k_norm;
+  bool sliding = false;
+};
+
+SF_AVX512 void rmsnorm_avx512(const float* x, const float* w, int64_t n, float eps, float* y) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  float ss = _mm512_reduce_add_ps(acc);
+  for (; i < n; ++i) ss = std::fma(x[i], x[i], ss);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  const __m512 s = _mm512_set1_ps(inv);
+  for (i = 0; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), s), _mm512_loadu_ps(w + i)));
+  for (; i < n; ++i) y[i] = x[i] * inv * w[i];
+}
+
+void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* y) {
+  if (isa_level() == kAvx512) return rmsnorm_avx512(x, w, n, eps, y);
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss = std::fma(x[i], x[i], ss);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv * w[i];
+}
+
+SF_AVX512 void act_avx512(const float* gate, const float* up, int64_t n, bool gelu, float* y) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 a = gelu ? gelu_tanh512(g) : silu512(g);
+    _mm512_storeu_ps(y + i, _mm512_mul_ps(a, _mm512_loadu_ps(up + i)));
+  }
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+    const __m512 a = gelu ? gelu_tanh512(g) : silu512(g);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, up + i)));
+  }
+}
+
+void activation(const float* gate, const float* up, int64_t n, bool gelu, float* y) {
+  if (isa_level() == kAvx512) return act_avx512(gate, up, n, gelu, y);
+  for (int64_t i = 0; i < n; ++i) y[i] = (gelu ? gelu_tanh1(gate[i]) : silu1(gate[i])) * up[i];
+}
+
+}  // namespace
+
+class FastModel {
+ public:
+  FastModel(int64_t hidden, int64_t heads, int64_t heads_kv, int64_t head_dim, int64_t ffn,
+            double eps, bool gelu, double embed_scale, int64_t window, double attn_scale,
+            double final_softcap)
+      : hidden_(hidden), heads_(heads), heads_kv_(heads_kv), head_dim_(head_dim), ffn_(ffn),
+        eps_(static_cast<float>(eps)), gelu_(gelu), embed_scale_(static_cast<float>(embed_scale)),
+        window_(window), attn_scale_(static_cast<float>(attn_scale)),
+        softcap_(static_cast<float>(final_softcap)) {
+    check(hidden % kBlock == 0 && ffn % kBlock == 0 && (heads * head_dim) % kBlock == 0,
+          "the fast path needs hidden, FFN and attention sizes that are multiples of 32");
+    check(heads % heads_kv == 0, "query heads must be a multiple of key/value heads");
+  }
+
+  void set_rope(const std::string& kind, torch::Tensor inv_freq, double scaling) {
+    auto t = inv_freq.to(torch::kFloat32).contiguous();
+    check(t.numel() == head_dim_ / 2, "RoPE frequencies must have head_dim / 2 entries");
+    (kind == "sliding" ? rope_local_ : rope_full_) = {t, static_cast<float>(scaling)};
+  }
+
+  void set_embedding(PackedPtr table) {
+    check(table->w.k == hidden_, "the embedding width must equal the hidden size");
+    embed_ = std::move(table);
+  }
+
+  void set_head(std::vector<PackedPtr> head, torch::Tensor final_norm) {
+    head_ = fuse(head, hidden_);
+    final_norm_ = {final_norm.to(torch::kFloat32).contiguous()};
+  }
+
+  void add_layer(std::vector<PackedPtr> qkv, std::vector<PackedPtr> o, std::vector<PackedPtr> gate_up,
+                 std::vector<PackedPtr> down, std::map<std::string, torch::Tensor> norms,
+                 bool sliding) {
+    Layer l;
+    l.qkv = fuse(qkv, hidden_);
+    l.o = fuse(o, heads_ * head_dim_);
+    l.gate_up = fuse(gate_up, hidden_);
+    l.down = fuse(down, ffn_);
+    check(l.qkv.n == (heads_ + 2 * heads_kv_) * head_dim_, "q/k/v output size mismatch");
+    check(l.o.n == hidden_ && l.gate_up.n == 2 * ffn_ && l.down.n == hidden_, "layer size mismatch");
+    auto get = [&](const char* name) {
+      auto it = norms.find(name);
+      return it == norms.end() ? Norm{} : Norm{it->second.to(torch::kFloat32).contiguous()};
+    };
+    l.attn_norm = get("attn_norm");
+    l.post_attn_norm = get("post_attn_norm");
+    l.mlp_norm = get("mlp_norm");
+    l.post_mlp_norm = get("post_mlp_norm");
+    l.q_norm = get("q_norm");
+    l.k_norm = get("k_norm");
+    check(l.attn_norm.present() && l.mlp_norm.present(), "a layer needs attn_norm and mlp_norm");
+    l.sliding = sliding;
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // tokens [T] int64, positions [T] int64, mask [T, T] bool or None (causal), caches
+  // [L, 1, Hkv, S, D], cache_positions [S] int64 (slots before `start` already filled).
+  torch::Tensor forward(torch::Tensor tokens, torch::Tensor positions,
+                        std::optional<torch::Tensor> mask, torch::Tensor k_cache,
+                        torch::Tensor v_cache, torch::Tensor cache_positions, int64_t start,
+                        std::optional<std::vector<int64_t>> layers) {
+    check(embed_ != nullptr && head_.n > 0, "the model is not complete");
+    const int64_t T = tokens.numel();
+    check(positions.numel() == T && T > 0, "tokens and positions must have the same length > 0");
+    auto tok = tokens.to(torch::kInt64).contiguous();
+    auto pos = positions.to(torch::kInt64).contiguous();
+    auto kpos = cache_positions.to(torch::kInt64).contiguous();
+    check(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+    check(k_cache.dim() == 5 && k_cache.size(1) == 1 && k_cache.size(2) == heads_kv_ &&
+              k_cache.size(4) == head_dim_,
+          "the KV cache has the wrong shape");
+    const int64_t slots = k_cache.size(3);
+    check(start >= 0 && start + T <= slots, "the new tokens do not fit in the cache");
+    const CacheType ctype = cache_type(k_cache);
+
+    torch::Tensor out = torch::empty({T, hidden_}, torch::kFloat32);
+    float* h = out.data_ptr<float>();
+    embed(tok.data_ptr<int64_t>(), T, h);
+
+    std::vector<float> cos_full, sin_full, cos_local, sin_local;
+    rope_tables(rope_full_, pos.data_ptr<int64_t>(), T, cos_full, sin_full);
+    if (rope_local_.inv.defined()) rope_tables(rope_local_, pos.data_ptr<int64_t>(), T, cos_local, sin_local);
+    const bool* m = nullptr;
+    torch::Tensor mask_c;
+    if (mask.has_value()) {
+      mask_c = mask->to(torch::kBool).contiguous();
+      check(mask_c.numel() == T * T, "the tree mask must be [T, T]");
+      m = mask_c.data_ptr<bool>();
+    }
+    const Visible vis_full = visible(pos.data_ptr<int64_t>(), T, m, kpos.data_ptr<int64_t>(), start, -1);
+    const Visible vis_local = window_ > 0
+        ? visible(pos.data_ptr<int64_t>(), T, m, kpos.data_ptr<int64_t>(), start, window_)
+        : Visible{};
+
+    std::vector<int64_t> run;
+    if (layers.has_value()) {
+      run = *layers;
+    } else {
+      for (int64_t i = 0; i < num_layers(); ++i) run.push_back(i);
+    }
+    const int64_t per_layer = heads_kv_ * slots * head_dim_;
+    for (int64_t i : run) {
+      check(i >= 0 && i < num_layers(), "layer index out of range");
+      const Layer& l = layers_[i];
+      const bool local = l.sliding && window_ > 0;
+      KVView kv;
+      kv.type = ctype;
+      kv.slots = slots;
+      const int64_t esize = k_cache.element_size();
+      kv.k = static_cast<char*>(k_cache.data_ptr()) + i * per_layer * esize;
+      kv.v = static_cast<char*>(v_cache.data_ptr()) + i * per_layer * esize;
+      const bool own_rope = l.sliding && rope_local_.inv.defined();
+      block(l, h, T, kv, start, local ? vis_local : vis_full, own_rope ? cos_local : cos_full,
+            own_rope ? sin_local : sin_full);
+    }
+    for (int64_t r = 0; r < T; ++r)
+      rmsnorm(h + r * hidden_, final_norm_.w.data_ptr<float>(), hidden_, eps_, h + r * hidden_);
+    return out;
+  }
+
+  // hidden [T, hidden] float → float32 logits [T, V]
+  torch::Tensor logits(torch::Tensor hidden) {
+    auto x = hidden.to(torch::kFloat32).contiguous().view({-1, hidden_});
+    const int64_t T = x.size(0);
+    torch::Tensor out = torch::empty({T, head_.n}, torch::kFloat32);
+    Activations a(x.data_ptr<float>(), T, hidden_, hidden_);
+    head_.run(a, out.data_ptr<float>(), head_.n);
+    if (softcap_ > 0.f) out = torch::tanh(out / softcap_) * softcap_;
+    return out;
+  }
+
+ private:
+  struct Rope {
+    torch::Tensor inv;
+    float scaling = 1.f;
+  };
+
+  static CacheType cache_type(const torch::Tensor& t) {
+    if (t.dtype() == torch::kFloat32) return CacheType::F32;
+    if (t.dtype() == torch::kFloat16) return CacheType::F16;
+    if (t.dtype() == torch::kBFloat16) return CacheType::BF16;
+    throw std::invalid_argument("the KV cache must be float32, float16 or bfloat16");
+  }
+
+  void embed(const int64_t* tok, int64_t T, float* h) const {
+    for (int64_t r = 0; r < T; ++r) {
+      check(tok[r] >= 0 && tok[r] < embed_->w.n, "token id out of range");
+      unpack_row(embed_->w, tok[r], h + r * hidden_);
+      if (embed_scale_ != 1.f)
+        for (int64_t i = 0; i < hidden_; ++i) h[r * hidden_ + i] *= embed_scale_;
+    }
+  }
+
+  void rope_tables(const Rope& rope, const int64_t* pos, int64_t T, std::vector<float>& cos_t,
+                   std::vector<float>& sin_t) const {
+    const int64_t half = head_dim_ / 2;
+    const float* inv = rope.inv.data_ptr<float>();
+    cos_t.resize(T * half);
+    sin_t.resize(T * half);
+    for (int64_t r = 0; r < T; ++r)
+      for (int64_t i = 0; i < half; ++i) {
+        const float f = static_cast<float>(pos[r]) * inv[i];
+        cos_t[r * half + i] = std::cos(f) * rope.scaling;
+        sin_t[r * half + i] = std::sin(f) * rope.scaling;
+      }
+  }
+
+  // Row r sees every filled slot (within the window) and the new slots its mask row allows.
+  static Visible visible(const int64_t* pos, int64_t T, const bool* mask, const int64_t* kpos,
+                         int64_t start, int64_t window) {
+    Visible v;
+    v.off.resize(T + 1);
+    v.off[0] = 0;
+    for (int64_t r = 0; r < T; ++r) {
+      for (int64_t j = 0; j < start; ++j)
+        if (window < 0 || pos[r] - kpos[j] < window) v.idx.push_back(static_cast<int32_t>(j));
+      for (int64_t i = 0; i < T; ++i) {
+        const bool allowed = mask ? mask[r * T + i] : i <= r;
+        if (allowed && (window < 0 || pos[r] - pos[i] < window))
+          v.idx.push_back(static_cast<int32_t>(start + i));
+      }
+      v.off[r + 1] = static_cast<int64_t>(v.idx.size());
+    }
+    return v;
+  }
+
+  void rope_rows(float* x, int64_t ld, int64_t T, int64_t nheads, const std::vector<float>& cos_t,
+                 const std::vector<float>& sin_t) const {
+    const int64_t half = head_dim_ / 2;
+    for (int64_t r = 0; r < T; ++r)
+      for (int64_t h = 0; h < nheads; ++h) {
+        float* v = x + r * ld + h * head_dim_;
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = cos_t[r * half + i], s = sin_t[r * half + i];
+          const float a = v[i], b = v[i + half];
+          v[i] = a * c - b * s;
+          v[i + half] = b * c + a * s;
+        }
+      }
+  }
+
+  void block(const Layer& l, float* h, int64_t T, const KVView& kv, int64_t start,
+             const Visible& vis, const std::vector<float>& cos_t,
+             const std::vector<float>& sin_t) {
+    const int64_t D = hidden_, qd = heads_ * head_dim_, kvd = heads_kv_ * head_dim_;
+    x_.resize(T * std::max(D, ffn_));
+    qkv_.resize(T * l.qkv.n);
+    att_.resize(T * qd);
+    gu_.resize(T * 2 * ffn_);
+    y_.resize(T * D);
+    // attention
+    for (int64_t r = 0; r < T; ++r) rmsnorm(h + r * D, l.attn_norm.w.data_ptr<float>(), D, eps_, &x_[r * D]);
+    {
+      Activations a(x_.data(), T, D, D);
+      l.qkv.run(a, qkv_.data(), l.qkv.n);
+    }
+    const int64_t ld = l.qkv.n;
+    float* q = qkv_.data();
+    float* k = q + qd;
+    float* v = k + kvd;
+    if (l.q_norm.present())
+      for (int64_t r = 0; r < T; ++r) {
+        for (int64_t hh = 0; hh < heads_; ++hh)
+          rmsnorm(q + r * ld + hh * head_dim_, l.q_norm.w.data_ptr<float>(), head_dim_, eps_, q + r * ld + hh * head_dim_);
+        for (int64_t hh = 0; hh < heads_kv_; ++hh)
+          rmsnorm(k + r * ld + hh * head_dim_, l.k_norm.w.data_ptr<float>(), head_dim_, eps_, k + r * ld + hh * head_dim_);
+      }
+    rope_rows(q, ld, T, heads_, cos_t, sin_t);
+    rope_rows(k, ld, T, heads_kv_, cos_t, sin_t);
+    write_kv(kv, k, v, ld, T, heads_kv_, head_dim_, start);
+    attention(q, ld, kv, vis, AttnShape{T, heads_, heads_kv_, head_dim_, attn_scale_}, att_.data());
+    {
+      Activations a(att_.data(), T, qd, qd);
+      l.o.run(a, x_.data(), D);
+    }
+    add_residual(l.post_attn_norm, x_.data(), T, h);
+    // MLP
+    for (int64_t r = 0; r < T; ++r) rmsnorm(h + r * D, l.mlp_norm.w.data_ptr<float>(), D, eps_, &x_[r * D]);
+    {
+      Activations a(x_.data(), T, D, D);
+      l.gate_up.run(a, gu_.data(), 2 * ffn_);
+    }
+    for (int64_t r = 0; r < T; ++r)
+      activation(&gu_[r * 2 * ffn_], &gu_[r * 2 * ffn_ + ffn_], ffn_, gelu_, &x_[r * ffn_]);
+    {
+      Activations a(x_.data(), T, ffn_, ffn_);
+      l.down.run(a, y_.data(), D);
+    }
+    add_residual(l.post_mlp_norm, y_.data(), T, h);
+  }
+
+  // h += norm(y) (Gemma's post-norms) or h += y
+  void add_residual(const Norm& post, float* y, int64_t T, float* h) const {
+    for (int64_t r = 0; r < T; ++r) {
+      float* yr = y + r * hidden_;
+      if (post.present()) rmsnorm(yr, post.w.data_ptr<float>(), hidden_, eps_, yr);
+      for (int64_t i = 0; i < hidden_; ++i) h[r * hidden_ + i] += yr[i];
+    }
+  }
+
+  int64_t hidden_, heads_, heads_kv_, head_dim_, ffn_;
+  float eps_;
+  bool gelu_;
+  float embed_scale_;
+  int64_t window_;
+  float attn_scale_, softcap_;
+  Rope rope_full_, rope_local_;
+  PackedPtr embed_;
+  Fused head_;
+  Norm final_norm_;
+  std::vector<Layer> layers_;
+  std::vector<float> x_, qkv_, att_, gu_, y_;  // work buffers, reused
+};
+
+// y = x W^T (+ b) for tests and benchmarks: x [R, k] float32.
+torch::Tensor packed_linear(const PackedPtr& w, torch::Tensor x) {
+  auto xc = x.to(torch::kFloat32).contiguous().view({-1, w->w.k});
+  torch::Tensor y = torch::empty({xc.size(0), w->w.n}, torch::kFloat32);
+  Activations a(xc.data_ptr<float>(), xc.size(0), w->w.k, w->w.k);
+  linear(w->w, a, y.data_ptr<float>(), w->w.n);
+  return y;
+}
+
+torch::Tensor unpack(const PackedPtr& w) {
+  torch::Tensor out = torch::empty({w->w.n, w->w.k}, torch::kFloat32);
+  for (int64_t r = 0; r < w->w.n; ++r) unpack_row(w->w, r, out.data_ptr<float>() + r * w->w.k);
+  return out;
+}
+
+}  // namespace sf
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  py::class_<sf::Packed, sf::PackedPtr>(m, "Packed")
+      .def(py::init<int64_t, int64_t, int64_t, torch::Tensor, std::optional<torch::Tensor>>(),
+           py::arg("kind"), py::arg("n"), py::arg("k"), py::arg("data"), py::arg("bias") = py::none())
+      .def_property_readonly("n", [](const sf::Packed& p) { return p.w.n; })
+      .def_property_readonly("k", [](const sf::Packed& p) { return p.w.k; })
+      .def_property_readonly("kind", [](const sf::Packed& p) { return static_cast<int64_t>(p.w.kind); })
+      .def_property_readonly("nbytes", [](const sf::Packed& p) { return p.data.numel(); });
+  py::class_<sf::FastModel>(m, "FastModel")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, bool, double, int64_t, double,
+                    double>())
+      .def("set_rope", &sf::FastModel::set_rope)
+      .def("set_embedding", &sf::FastModel::set_embedding)
+      .def("set_head", &sf::FastModel::set_head)
+      .def("add_layer", &sf::FastModel::add_layer)
+      .def("forward", &sf::FastModel::forward, py::call_guard<py::gil_scoped_release>())
+      .def("logits", &sf::FastModel::logits, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_layers", &sf::FastModel::num_layers);
+  m.def("packed_linear", &sf::packed_linear, py::call_guard<py::gil_scoped_release>());
+  m.def("unpack", &sf::unpack);
+  m.def("isa", []() { return std::string(sf::isa_name()); });
+  m.def("block_bytes", [](int64_t kind) { return sf::block_bytes(static_cast<sf::Kind>(kind)); });
+}

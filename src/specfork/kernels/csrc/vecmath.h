@@ -1,0 +1,54 @@
+// Vectorised exp and the elementwise functions built on it (AVX-512), with scalar twins.
+// Each output depends only on its own input, so these are batch-invariant trivially.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "common.h"
+
+namespace sf {
+
+// e^x to ~1 ulp: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r, times 2^n.
+SF_AVX512 inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
+                    _mm512_set1_ps(-103.972084045410f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+SF_AVX512 inline __m512 silu512(__m512 g) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  return _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
+// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(u) = 1 - 2 / (e^{2u} + 1)
+SF_AVX512 inline __m512 gelu_tanh512(__m512 g) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+  const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                 _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+  const __m512 e = exp512(_mm512_add_ps(u, u));
+  const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, t));
+}
+
+inline float silu1(float g) { return g / (1.f + std::exp(-g)); }
+
+inline float gelu_tanh1(float g) {
+  const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  return 0.5f * g * (1.f + std::tanh(u));
+}
+
+}  // namespace sf

@@ -1,0 +1,118 @@
+"""A GGUF model straight onto the kernels, its quantized weights kept as they are.
+
+Q4_0, Q4_1 and Q8_0 blocks are re-laid out for the kernels bit for bit (`kernels.pack`), so
+the model that runs is the one in the file, computed the way llama.cpp computes it (int8
+activations per block of 32). Float tensors (norms, biases, F16/F32 weights) are read as
+float32. A file with other block types (the K-quants, Q5_x) runs in bfloat16 instead; the
+caller asks `unsupported(reader)` first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import gguf
+import torch
+
+from specfork.config import ModelConfig
+from specfork.errors import ModelFormatError
+from specfork.kernels.pack import GGUF_KINDS, Kind, pack_float, pack_gguf
+from specfork.loading.dequant import _raw_bytes, dequantize
+from specfork.loading.gguf import config_from_gguf, field_value, open_gguf
+from specfork.models.fast import FastLM, LayerWeights
+
+FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+               gguf.GGMLQuantizationType.BF16)  # fmt: skip
+_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def unsupported(reader: gguf.GGUFReader) -> str | None:
+    """Why the file's weights cannot run on the kernels as stored, or None if they can."""
+    kinds = (*GGUF_KINDS, *FLOAT_TYPES)
+    matrices = [t for t in reader.tensors if t.name.endswith(".weight") and len(t.shape) == 2]
+    odd = sorted({t.tensor_type.name for t in matrices if t.tensor_type not in kinds})
+    if odd:
+        return f"its {', '.join(odd)} weights have no kernel (kernels run Q4_0, Q4_1, Q8_0)"
+    return None
+
+
+class _Reader:
+    """The tensors of one GGUF file, as packed weights and float vectors."""
+
+    def __init__(self, reader: gguf.GGUFReader, cfg: ModelConfig, kernels: ModuleType) -> None:
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.cfg = cfg
+        self.kernels = kernels
+        self.permuted = field_value(reader, "general.architecture") == "llama"
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def vector(self, name: str) -> torch.Tensor | None:
+        """A float32 vector (norm weights as the file stores them, biases), or None."""
+        t = self.tensors.get(name)
+        if t is None:
+            return None
+        v = dequantize(t.data, t.tensor_type, (int(t.shape[0]),), name=name)
+        return self._unpermute(name, v)
+
+    def linear(self, name: str) -> object:
+        """The weight `name` [n, k] (and its bias, if any) as a kernels.Packed."""
+        t = self.tensors[name]
+        k, n = (int(d) for d in t.shape)
+        bias = self.vector(name.removesuffix("weight") + "bias")
+        if t.tensor_type in GGUF_KINDS:
+            raw = _raw_bytes(t.data).view(n, -1)  # [n, bytes per row]
+            kind, data = pack_gguf(self._unpermute(name, raw), t.tensor_type, n, k)
+        else:
+            w = dequantize(t.data, t.tensor_type, (n, k), name=name)
+            kind, data = Kind.F32, pack_float(self._unpermute(name, w), Kind.F32)
+        return self.kernels.Packed(int(kind), n, k, data, bias)
+
+    def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Undo llama.cpp's Q/K row permutation (on raw block rows or on float rows)."""
+        heads = {"attn_q": self.cfg.num_heads, "attn_k": self.cfg.num_kv_heads}
+        kind = name.split(".")[2] if name.startswith("blk.") else ""
+        if not (self.permuted and kind in heads):
+            return rows
+        n = rows.shape[0]
+        shape = (heads[kind], n // heads[kind] // 2, 2, *rows.shape[1:])
+        return rows.reshape(shape).transpose(1, 2).reshape(rows.shape).contiguous()
+
+
+def load_gguf_fast(path: Path, kernels: ModuleType) -> FastLM:
+    """The model of a GGUF file on the kernels, at the file's own precision."""
+    reader = open_gguf(path)
+    why = unsupported(reader)
+    if why:
+        raise ModelFormatError(f"{path.name} cannot run at --dtype gguf: {why}")
+    cfg = config_from_gguf(reader, path)
+    r = _Reader(reader, cfg, kernels)
+    layers = [_layer(r, i) for i in range(cfg.num_layers)]
+    embedding = r.linear("token_embd.weight")
+    head = embedding if cfg.tie_embeddings else r.linear("output.weight")
+    types = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) == 2})
+    return FastLM.from_layers(kernels, cfg, "gguf", embedding, [head],
+                              r.vector("output_norm.weight"), layers, "+".join(types))  # fmt: skip
+
+
+def _layer(r: _Reader, i: int) -> LayerWeights:
+    b = f"blk.{i}."
+    p = {name: r.linear(f"{b}{name}.weight") for name in _LINEARS}
+    names = {  # ours: GGUF's (ffn_norm is the pre-MLP norm in both families)
+        "attn_norm": "attn_norm",
+        "mlp_norm": "ffn_norm",
+        "post_attn_norm": "post_attention_norm",
+        "post_mlp_norm": "post_ffw_norm",
+        "q_norm": "attn_q_norm",
+        "k_norm": "attn_k_norm",
+    }
+    norms = {own: r.vector(f"{b}{gg}.weight") for own, gg in names.items()}
+    return LayerWeights(
+        qkv=[p["attn_q"], p["attn_k"], p["attn_v"]],
+        o=[p["attn_output"]],
+        gate_up=[p["ffn_gate"], p["ffn_up"]],
+        down=[p["ffn_down"]],
+        norms={k: v for k, v in norms.items() if v is not None},
+    )

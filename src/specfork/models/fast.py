@@ -1,0 +1,192 @@
+"""FastLM: a decoder whose whole forward runs in specfork's compiled CPU kernels.
+
+It computes what `DecoderLM` computes (same interface: `forward(tokens, positions, cache,
+mask=None, layers=None)`, `logits`, `extend`, `new_cache`) in one call per forward, over weights
+packed for the kernels: a GGUF's own Q4_0/Q4_1/Q8_0 blocks (precision "gguf": int8
+activations, as llama.cpp computes), or bf16 / fp32 weights. Every kernel is batch-invariant:
+a row's logits do not depend on the other rows of its forward, so plain decoding, a verified
+chain and a verified tree give a token bitwise the same logits (csrc/common.h).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from specfork.cache import KVCache
+from specfork.config import ModelConfig
+from specfork.models.base import DecoderLM, Steps
+from specfork.models.layers import rope_inv_freq
+
+log = logging.getLogger(__name__)
+
+#: KV cache dtype per precision (fp16 keys/values like llama.cpp for GGUF weights).
+CACHE_DTYPES = {"gguf": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One block's packed weights (lists: parts whose outputs are concatenated) and norms."""
+
+    qkv: list
+    o: list
+    gate_up: list
+    down: list
+    norms: dict[str, torch.Tensor]  # float32 multipliers (Gemma's 1 + w already applied)
+
+
+class FastLM(Steps):
+    """A decoder run by the compiled kernels; build it with `from_decoder` or `from_layers`."""
+
+    def __init__(self, kernels: ModuleType, core: object, cfg: ModelConfig, precision: str,
+                 weights: dict[str, int], detail: str = "") -> None:  # fmt: skip
+        self.kernels = kernels
+        self.core = core  # csrc/model.cpp FastModel
+        self.config = cfg
+        self.precision = precision
+        self.detail = detail  # e.g. the GGUF block types
+        self._weights = weights  # weights per layer and of the LM head (for step_weights)
+
+    def describe(self) -> str:
+        """Precision, device and backend, as outputs and benchmark rows state them."""
+        detail = f" {self.detail}" if self.detail else ""
+        return f"{self.precision}{detail}, cpu, kernels {self.kernels.isa()}"
+
+    # -- the model interface ----------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The KV cache's dtype (activations are float32 inside the kernels)."""
+        return CACHE_DTYPES[self.precision]
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        mask: torch.Tensor | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [1, T, D] (float32) of tokens [1, T] at positions [T]."""
+        if tokens.dim() != 2 or tokens.shape[0] != 1:
+            raise ValueError(f"FastLM runs one sequence: tokens [1, T], not {tuple(tokens.shape)}")
+        if mask is not None and mask.dim() != 2:
+            raise ValueError("FastLM takes a [T, T] mask")
+        start = cache.reserve(positions)
+        hidden = self.core.forward(
+            tokens[0], positions, mask, cache.k, cache.v, cache.positions, start,
+            None if layers is None else list(layers),
+        )  # fmt: skip
+        cache.commit_pending()
+        return hidden[None]  # [1, T, D]
+
+    forward = __call__
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: hidden [..., D] → float32 logits [..., V]."""
+        shape = hidden.shape[:-1]
+        return self.core.logits(hidden.reshape(-1, hidden.shape[-1])).view(*shape, -1)
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        c = self.config
+        if batch != 1:
+            raise ValueError("FastLM caches hold one sequence")
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, dtype=self.dtype)
+
+    def step_weights(self, layers: Sequence[int] | None = None) -> int:
+        blocks = range(self.config.num_layers) if layers is None else layers
+        return sum(self._weights["layer"] for _ in blocks) + self._weights["head"]
+
+    def eval(self) -> FastLM:
+        return self
+
+    def requires_grad_(self, _: bool = False) -> FastLM:
+        return self
+
+    # -- building -------------------------------------------------------------------------------
+    @classmethod
+    def from_layers(
+        cls,
+        kernels: ModuleType,
+        cfg: ModelConfig,
+        precision: str,
+        embedding: object,
+        head: list,
+        final_norm: torch.Tensor,
+        layers: list[LayerWeights],
+        detail: str = "",
+    ) -> FastLM:
+        """Assemble packed weights (kernels.Packed objects) into a model."""
+        scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+        embed_scale = cfg.hidden_size**0.5 if cfg.arch == "gemma3" else 1.0
+        core = kernels.FastModel(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.rms_eps, cfg.hidden_act == "gelu_tanh", embed_scale,
+            cfg.sliding_window or -1, scalar**-0.5, cfg.final_logit_softcapping or 0.0,
+        )  # fmt: skip
+        inv_freq, scaling = rope_inv_freq(cfg.rope, cfg.head_dim)
+        core.set_rope("full", inv_freq, scaling)
+        if cfg.rope_local is not None:
+            inv_freq, scaling = rope_inv_freq(cfg.rope_local, cfg.head_dim)
+            core.set_rope("sliding", inv_freq, scaling)
+        core.set_embedding(embedding)
+        core.set_head(head, final_norm.float())
+        for i, lw in enumerate(layers):
+            sliding = cfg.layer_type(i) == "sliding"
+            core.add_layer(lw.qkv, lw.o, lw.gate_up, lw.down, lw.norms, sliding)
+        per_layer = sum(p.n * p.k for p in (*layers[0].qkv, *layers[0].o, *layers[0].gate_up,
+                                            *layers[0].down))  # fmt: skip
+        weights = {"layer": per_layer, "head": sum(p.n * p.k for p in head)}
+        return cls(kernels, core, cfg, precision, weights, detail)
+
+    @classmethod
+    def from_decoder(cls, kernels: ModuleType, model: DecoderLM, precision: str) -> FastLM:
+        """The kernels' model of an eager one, weights packed as bf16 or fp32."""
+        from specfork.kernels.pack import Kind, pack_float
+
+        kind = Kind.BF16 if precision == "bfloat16" else Kind.F32
+
+        def packed(linear: torch.nn.Linear) -> object:
+            w = linear.weight.detach()
+            bias = None if linear.bias is None else linear.bias.detach().float()
+            return kernels.Packed(int(kind), w.shape[0], w.shape[1], pack_float(w, kind), bias)
+
+        def norm(module: torch.nn.Module | None) -> torch.Tensor | None:
+            if module is None:
+                return None
+            w = module.weight.detach().float()
+            return 1.0 + w if module.unit_offset else w
+
+        cfg = model.config
+        layers = []
+        for block in model.blocks:
+            names = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
+            norms = {n: norm(getattr(block, n, None)) for n in names}
+            norms.update(q_norm=norm(block.attn.q_norm), k_norm=norm(block.attn.k_norm))
+            layers.append(LayerWeights(
+                [packed(block.attn.qkv)], [packed(block.attn.o)], [packed(block.mlp.gate_up)],
+                [packed(block.mlp.down)], {k: v for k, v in norms.items() if v is not None},
+            ))  # fmt: skip
+        head = packed(model.lm_head)
+        if cfg.tie_embeddings:
+            embedding = head
+        else:
+            table = model.embed_tokens.weight.detach()
+            embedding = kernels.Packed(int(kind), table.shape[0], table.shape[1],
+                                       pack_float(table, kind), None)  # fmt: skip
+        return cls.from_layers(kernels, cfg, precision, embedding, [head], norm(model.norm), layers)
+
+
+def fits_kernels(cfg: ModelConfig) -> str | None:
+    """Why `cfg` cannot run on the kernels, or None if it can."""
+    sizes = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+    if any(s % 32 for s in sizes):
+        return "hidden, FFN and attention sizes must be multiples of 32"
+    return None

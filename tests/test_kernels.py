@@ -1,0 +1,174 @@
+"""specfork's compiled CPU kernels (src/specfork/kernels): layouts, arithmetic, batch invariance.
+
+The kernels are built once per machine (kernels/build.py); every test here needs them, so a
+machine without a C++ compiler skips this module with the reason. Batch invariance is checked
+bitwise: a row's output must not depend on how many rows share the call or where it sits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from specfork.kernels import load_kernels
+from specfork.kernels.pack import Kind, pack_float, pack_gguf, pack_q4, pack_q8
+from specfork.loading.dequant import dequantize
+
+K = load_kernels()
+pytestmark = pytest.mark.skipif(K is None, reason="the kernels cannot be built here")
+
+GGUF_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)
+
+
+def gguf_blob(qtype: T, n: int, k: int, seed: int = 0) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """A random weight [n, k] quantized by gguf-py: its kind, packed bytes and float values."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
+    raw = quants.quantize(w, qtype)  # [n, bytes per row]
+    kind, data = pack_gguf(torch.from_numpy(raw.copy()), qtype, n, k)
+    return int(kind), data, dequantize(raw, qtype, (n, k))
+
+
+def gguf_weight(qtype: T, n: int, k: int, seed: int = 0) -> tuple[object, torch.Tensor]:
+    kind, data, ref = gguf_blob(qtype, n, k, seed)
+    return K.Packed(kind, n, k, data), ref
+
+
+def float_weight(kind: Kind, n: int, k: int, seed: int = 0) -> tuple[object, torch.Tensor]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1))
+    exact = w.bfloat16().float() if kind == Kind.BF16 else w
+    return K.Packed(int(kind), n, k, pack_float(w, kind), bias), exact
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with every block of 32 quantized to int8 as the kernels do (llama.cpp's Q8 rows)."""
+    b = x.view(x.shape[0], -1, 32)
+    scale = b.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(b / scale), torch.zeros_like(b)).clamp(-127, 127)
+    return (q * scale).view_as(x)
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
+def test_gguf_blocks_are_kept_bit_for_bit(qtype: T) -> None:
+    packed, ref = gguf_weight(qtype, 40, 96)  # 40 rows: the last tile is padded
+    assert torch.equal(K.unpack(packed), ref)
+
+
+@pytest.mark.parametrize("kind", (Kind.BF16, Kind.F32), ids=lambda k: k.name)
+def test_float_layouts_round_trip(kind: Kind) -> None:
+    packed, ref = float_weight(kind, 33, 64)
+    assert torch.equal(K.unpack(packed), ref)
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
+def test_quantized_products(qtype: T) -> None:
+    """y = int8(x) W^T with exact integer block sums: float64 reference within 1e-5."""
+    packed, w = gguf_weight(qtype, 70, 128, seed=3)
+    x = torch.randn(9, 128)
+    ref = int8_rows(x).double() @ w.double().T
+    got = K.packed_linear(packed, x).double()
+    assert (got - ref).abs().max() < 1e-5 * ref.abs().max()
+    assert (got - x.double() @ w.double().T).abs().max() > 1e-4  # activations really are int8
+
+
+@pytest.mark.parametrize("kind", (Kind.BF16, Kind.F32), ids=lambda k: k.name)
+def test_float_products(kind: Kind) -> None:
+    packed, w = float_weight(kind, 50, 96, seed=4)
+    x = torch.randn(7, 96)
+    xr = x.bfloat16().float() if kind == Kind.BF16 else x
+    bias = torch.randn(50, generator=torch.Generator().manual_seed(5))
+    ref = xr.double() @ w.double().T + bias.double()
+    assert (K.packed_linear(packed, x).double() - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+ALL_KINDS = [*GGUF_TYPES, Kind.BF16, Kind.F32]
+
+
+def any_weight(which: T | Kind, n: int, k: int) -> object:
+    return (gguf_weight(which, n, k) if isinstance(which, T) else float_weight(which, n, k))[0]
+
+
+@pytest.mark.parametrize("which", ALL_KINDS, ids=lambda t: t.name)
+def test_rows_are_batch_invariant(which: T | Kind) -> None:
+    """Every row count 1-33 and any row order give each row bitwise the same output."""
+    packed = any_weight(which, 48, 160)
+    x = torch.randn(33, 160)
+    full = K.packed_linear(packed, x)
+    for rows in range(1, 34):
+        assert torch.equal(K.packed_linear(packed, x[:rows]), full[:rows]), rows
+    order = torch.randperm(33, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(K.packed_linear(packed, x[order]), full[order])
+    for i in (0, 5, 32):
+        assert torch.equal(K.packed_linear(packed, x[i : i + 1]), full[i : i + 1])
+
+
+@pytest.mark.parametrize("which", ALL_KINDS, ids=lambda t: t.name)
+def test_thread_count_does_not_change_results(which: T | Kind) -> None:
+    packed = any_weight(which, 64, 96)
+    x = torch.randn(6, 96)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = K.packed_linear(packed, x)
+        torch.set_num_threads(max(2, before))
+        assert torch.equal(K.packed_linear(packed, x), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+GENERIC_SCRIPT = """
+import sys, torch
+from specfork.kernels import load_kernels
+K = load_kernels()
+assert K.isa() == "generic", K.isa()
+data = torch.load(sys.argv[1])
+outs = [K.packed_linear(K.Packed(kind, n, k, blob), x) for kind, n, k, blob, x in data]
+torch.save(outs, sys.argv[2])
+"""
+
+
+def test_generic_code_computes_the_same_integer_and_fp32_products(tmp_path) -> None:
+    """The portable C++ path (CPUs without AVX-512) and the AVX-512 path agree bitwise for the
+    quantized and fp32 kinds: the integer sums are exact and the float steps are the same."""
+    if K.isa() == "generic":
+        pytest.skip("this CPU runs the generic code already")
+    cases, expected = [], []
+    blobs = [gguf_blob(qtype, 40, 96)[:2] for qtype in GGUF_TYPES]
+    blobs.append((int(Kind.F32), pack_float(torch.randn(40, 96), Kind.F32)))
+    for kind, blob in blobs:
+        x = torch.randn(5, 96)
+        cases.append((kind, 40, 96, blob, x))
+        expected.append(K.packed_linear(K.Packed(kind, 40, 96, blob), x))
+    torch.save(cases, tmp_path / "in.pt")
+    env = {**os.environ, "SPECFORK_ISA": "generic"}
+    subprocess.run([sys.executable, "-c", GENERIC_SCRIPT, str(tmp_path / "in.pt"),
+                    str(tmp_path / "out.pt")], env=env, check=True, timeout=600)  # fmt: skip
+    for got, want in zip(torch.load(tmp_path / "out.pt"), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_bad_packed_weights_are_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        K.Packed(int(Kind.F32), 16, 20, torch.zeros(16 * 20 * 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="wrong size"):
+        K.Packed(int(Kind.Q4), 16, 32, torch.zeros(100, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="unknown weight kind"):
+        K.Packed(9, 16, 32, torch.zeros(320, dtype=torch.uint8))
+
+
+def test_q4_layout_matches_the_documented_nibble_order() -> None:
+    """Input 8i+j of column c in the low nibble of byte 4c+j of vector i, 8i+4+j in the high."""
+    codes = torch.zeros(16, 32, dtype=torch.uint8)
+    codes[3, 13] = 9  # column 3, input 13 = 8*1 + 4 + 1: vector 1, byte 4*3+1, high nibble
+    ones = torch.ones(16, 1, dtype=torch.float16)
+    data = pack_q4(codes, ones, torch.zeros_like(ones))
+    assert data[64 * 1 + 4 * 3 + 1] == 9 << 4 and int(data[:256].sum()) == 9 << 4
+    q8 = pack_q8(torch.zeros(16, 32, dtype=torch.int8), ones)
+    assert bool((q8[:512] == 128).all())
