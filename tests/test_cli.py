@@ -456,3 +456,31 @@ def test_subprocess_user_error(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == ["specfork: error: top_p must be in (0, 1], got 2.0"]
+
+
+@pytest.mark.slow
+def test_exact_runs_on_the_kernels_and_says_so(
+    capsys: pytest.CaptureFixture[str], shared_model: LoadedModel
+) -> None:
+    if not shared_model.model.batch_invariant:
+        pytest.skip("the kernels cannot be built here")
+    code, out, err = _run(capsys, [*BASE, "--exact", "-n", "4", "--ignore-eos", PROMPT])
+    assert code == 0, err
+    assert "kernels" in err
+    assert out == _library(shared_model, PROMPT, max_new_tokens=4, ignore_eos=True) + "\n"
+
+
+def test_exact_refuses_a_path_that_cannot_honour_it(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, ["generate", "--exact", "--kernels", "off", "hi"])
+    assert code == 2 and "--exact" in err and "kernels" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_exact_request_on_the_eager_path_is_a_config_error() -> None:
+    from specfork.errors import ConfigError
+    from specfork.loading.loader import load_model
+
+    eager = load_model(DEFAULT_MODEL, dtype="float32", kernels=False, progress=False)
+    assert not eager.model.batch_invariant
+    with pytest.raises(ConfigError, match=r"batch-invariant.*eager PyTorch"):
+        Generator(eager).generate("hi", config=GenerationConfig(max_new_tokens=2, exact=True))

@@ -276,6 +276,7 @@ BAD = [
     ("completions", {"prompt": "hi", "max_token": 4}, "max_token"),
     ("completions", {"prompt": "hi", "logprobs": 5}, "logprobs"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": "hi", "exact": 1}, "exact"),
     ("completions", {"prompt": [1, 99999999]}, "prompt"),
 ]
 
@@ -589,3 +590,22 @@ def test_serve_reports_bad_flags_and_taken_port_before_loading() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(SpecforkError, match="cannot listen"):
             run_serve(_serve_args("-m", "no-such-model", "--port", str(port)), console)
+
+
+@pytest.mark.slow
+def test_exact_requests(served: Served) -> None:
+    """`exact: true` is honoured on batch-invariant steps (the kernels) and refused, with a 400
+    naming the path, where the steps are not (the eager PyTorch path)."""
+    from specfork.loading.loader import load_model
+
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "exact": True}
+    if served.reference.model.batch_invariant:
+        resp = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+    eager = load_model(MODEL, dtype="float32", kernels=False, progress=False)
+    app = create_app(Generator(eager, max_context=CONTEXT), model_name=MODEL)
+    with serve_in_background(app) as url:
+        resp = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 400
+        assert "batch-invariant" in resp.json()["error"]["message"]
+        assert httpx.post(f"{url}/v1/completions", json={**body, "exact": False}).status_code == 200

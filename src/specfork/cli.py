@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -26,7 +27,7 @@ from specfork.config import (
     SamplingParams,
     SpecConfig,
 )
-from specfork.errors import SpecforkError
+from specfork.errors import ConfigError, SpecforkError
 from specfork.loading.registry import DEFAULT_MODEL
 from specfork.metrics import GenerationStats
 from specfork.policies import POLICIES, make_policy
@@ -48,6 +49,30 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="precision: gguf = a GGUF file's own quantized weights; auto = fastest here",
     )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")  # fmt: skip
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="specfork's compiled CPU kernels (batch-invariant, fast): auto = where they help, "
+        "on = required, off = eager PyTorch",
+    )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="guarantee output bitwise equal to plain decoding: fail unless the steps are "
+        "batch-invariant (the kernels)",
+    )
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """load_model keyword arguments from the model flags (--exact requires the kernels)."""
+    kernels = getattr(args, "kernels", "auto")
+    if getattr(args, "exact", False):
+        if kernels == "off":
+            raise ConfigError("--exact needs the kernels' batch-invariant steps, not --kernels off")
+        kernels = "on"
+    wanted = {"auto": None, "on": True, "off": False}[kernels]
+    return {"dtype": args.dtype, "device": args.device, "kernels": wanted}
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -279,8 +304,9 @@ def _generate(args: argparse.Namespace, err: Console) -> int:
         min_p=args.min_p, seed=args.seed,
     )  # fmt: skip
     config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos
-    )
+        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        exact=args.exact,
+    )  # fmt: skip
     spec = spec_from_args(args, expected_length=args.max_new_tokens)
     make_policy(spec.k_policy, spec.k, spec.expected_length)  # validate before loading
     prompt = _read_prompt(args.prompt)
@@ -291,8 +317,7 @@ def _generate(args: argparse.Namespace, err: Console) -> int:
         if not args.quiet
         else nullcontext()
     ):
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device,
-                            progress=not args.quiet)  # fmt: skip
+        loaded = load_model(args.model, progress=not args.quiet, **model_options(args))
     generator = Generator(loaded, spec=spec)
     chat = args.chat
     if chat is None:
@@ -343,7 +368,7 @@ def _scan_self(args: argparse.Namespace, err: Console) -> int:
     GenerationConfig(max_new_tokens=args.max_new_tokens)  # validate before loading
     prompts = SAMPLE_PROMPTS if args.prompts is None else tuple(read_first_turns(args.prompts))
     with err.status(f"loading {escape(args.model)}…", spinner="dots"):
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        loaded = load_model(args.model, **model_options(args))
     with err.status("drafting with candidate layer subsets…", spinner="dots"):
         rows = scan_self_layers(loaded, prompts, args.max_new_tokens)
     table = Table(title=f"self-drafting candidates, {len(prompts)} prompts, greedy, k=4")

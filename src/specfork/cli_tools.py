@@ -46,7 +46,7 @@ def add_tool_parsers(sub: Any) -> None:
 def run_calibrate(args: argparse.Namespace, err: Console) -> int:
     from specfork.bench.prompts import builtin_prompts, load_prompts, select_prompts
     from specfork.calibrate import calibrate
-    from specfork.cli import spec_from_args
+    from specfork.cli import model_options, spec_from_args
     from specfork.engine import Generator
     from specfork.loading.loader import load_model
 
@@ -56,7 +56,7 @@ def run_calibrate(args: argparse.Namespace, err: Console) -> int:
     prompts = load_prompts(args.prompts) if args.prompts else builtin_prompts()
     texts = [p.text for p in select_prompts(prompts, limit=args.limit)]
     with err.status(f"loading {escape(args.model)}…", spinner="dots"):
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        loaded = load_model(args.model, **model_options(args))
     generator = Generator(loaded)
     with err.status("", spinner="dots") as status:
         result = calibrate(

@@ -170,8 +170,11 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    exact: bool = False  # demand output bitwise equal to plain decoding (batch-invariant steps)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.exact, bool) or not isinstance(self.ignore_eos, bool):
+            raise ConfigError("exact and ignore_eos must be true or false")
         n = self.max_new_tokens
         if not _is_int(n) or n < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {n}")

@@ -165,6 +165,7 @@ class Generator:
         config = config or GenerationConfig()
         sampling = sampling or SamplingParams()
         self._check_prompt(ids)
+        self._check_exact(config)
         self._check_thread()
         self.use_strategy(spec or self.default_spec)
         return TextStream(self._events(ids, config, sampling))
@@ -346,6 +347,14 @@ class Generator:
             self._cache = self.model.new_cache(max(length, 256))
         self._cache.reset()
         return self._cache
+
+    def _check_exact(self, config: GenerationConfig) -> None:
+        if config.exact and not getattr(self.model, "batch_invariant", False):
+            raise ConfigError(
+                f"exact output needs batch-invariant steps, and this model runs on the "
+                f"{self.model.describe()} path, whose multi-row steps round differently from "
+                "one-row steps; load it on specfork's CPU kernels (kernels=True / --exact)"
+            )
 
     def _check_thread(self) -> None:
         """Warn once when decoding on the CPU from a thread other than the loading one."""

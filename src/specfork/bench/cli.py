@@ -101,6 +101,8 @@ def add_bench_parser(subparsers: Any) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     """Validated settings (every user mistake is raised here, before loading anything)."""
+    from specfork.cli import model_options
+
     specs = parse_strategies(args.strategies or [DEFAULT_STRATEGIES])
     specs, added = ensure_plain(specs)
     notes = ["`ar` (plain decoding) was added: speedups and matches are against it"] * added
@@ -115,8 +117,10 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     picked = select_prompts(prompts, args.per_category, args.limit)
     if not picked:
         raise PromptError(f"no prompts selected from {source}")
+    kernels = model_options(args)["kernels"]
     return BenchSettings(
         strategies=specs, prompts=picked, model=args.model, dtype=args.dtype, device=args.device,
+        kernels=kernels, exact=args.exact,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
         ignore_eos=args.ignore_eos, repeats=args.repeats, warmup=args.warmup,
         near_tie=args.near_tie, prompts_source=source, notes=notes,

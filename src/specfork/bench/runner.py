@@ -204,6 +204,8 @@ class BenchSettings:
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"
     device: str = "auto"
+    kernels: bool | None = None  # specfork's compiled CPU kernels: None = where they help
+    exact: bool = False  # every specfork strategy must run batch-invariant steps
     max_new_tokens: int = 128
     temperature: float = 0.0
     seed: int | None = None
@@ -229,7 +231,9 @@ class BenchSettings:
         self.sampling()
 
     def generation_config(self) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos)
+        return GenerationConfig(
+            max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos, exact=self.exact
+        )
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, seed=self.seed)
@@ -237,6 +241,7 @@ class BenchSettings:
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model, "dtype": self.dtype, "device": self.device,
+            "kernels": self.kernels, "exact": self.exact,
             "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
             "seed": self.seed, "ignore_eos": self.ignore_eos, "repeats": self.repeats,
             "warmup": self.warmup, "near_tie_tolerance": self.near_tie,
@@ -312,6 +317,7 @@ def run_benchmark(
         status = console.status(f"loading {settings.model}…") if console else _null()
         with status:
             loaded = load_model(settings.model, dtype=settings.dtype, device=settings.device,
+                                kernels=True if settings.exact else settings.kernels,
                                 progress=False)  # fmt: skip
     generator = Generator(loaded)
     reference = next(s.label for s in specs if s.is_plain)

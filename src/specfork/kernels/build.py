@@ -81,17 +81,22 @@ def artifact_key(cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
-@functools.cache
 def load_kernels() -> ModuleType | None:
     """The compiled kernels (built on first use), or None where they cannot run."""
+    return kernel_status()[0]
+
+
+@functools.cache
+def kernel_status() -> tuple[ModuleType | None, str]:
+    """(the kernels or None, why they are not available: "" when they are)."""
     if os.environ.get("SPECFORK_KERNELS", "1").lower() in ("0", "off", "false", "no"):
         log.info("SPECFORK_KERNELS is off: the eager PyTorch path runs")
-        return None
+        return None, "SPECFORK_KERNELS is off"
     try:
-        return _load_or_build()
+        return _load_or_build(), ""
     except KernelsUnavailable as exc:
         log.warning("%s; the eager PyTorch path runs (slower)", exc)
-        return None
+        return None, str(exc)
 
 
 def _load_or_build() -> ModuleType:

@@ -13,7 +13,7 @@ import torch
 
 from specfork.config import ModelConfig
 from specfork.errors import ConfigError, ModelFormatError
-from specfork.kernels import load_kernels
+from specfork.kernels import kernel_status
 from specfork.loading import fast as fast_loader
 from specfork.loading import gguf as gguf_loader
 from specfork.loading import safetensors as st_loader
@@ -117,10 +117,9 @@ def kernels_for(device: torch.device, wanted: bool | None) -> ModuleType | None:
         if wanted and device.type != "cpu":
             raise ConfigError("specfork's kernels run on the CPU; use --device cpu")
         return None
-    module = load_kernels()
+    module, why = kernel_status()
     if module is None and wanted:
-        raise ConfigError("specfork's compiled kernels are not available here (see the log "
-                          "above for why); run without them or install a C++ compiler")  # fmt: skip
+        raise ConfigError(f"specfork's compiled kernels are not available here: {why}")
     if module is not None and wanted is None and module.isa() == "generic":
         log.info("the kernels have no vector code for this CPU; the eager PyTorch path runs")
         return None

@@ -233,6 +233,10 @@ class DecoderLM(Steps, nn.Module):
         """Precision, device and backend, as outputs and benchmark rows state them."""
         return f"{self.precision}, {self.device.type}, eager PyTorch"
 
+    #: Whether a row's logits are independent of the other rows of its forward. Not here:
+    #: PyTorch's one-row and multi-row products (and attention paths) round differently.
+    batch_invariant = False
+
     @property
     def precision(self) -> str:
         """The weights' precision as specfork names it (float32, bfloat16, float16)."""

@@ -51,6 +51,9 @@ class FastLM(Steps):
         self.detail = detail  # e.g. the GGUF block types
         self._weights = weights  # weights per layer and of the LM head (for step_weights)
 
+    #: a row's logits never depend on the other rows of its forward (csrc/common.h)
+    batch_invariant = True
+
     def describe(self) -> str:
         """Precision, device and backend, as outputs and benchmark rows state them."""
         detail = f" {self.detail}" if self.detail else ""

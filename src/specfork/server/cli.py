@@ -100,10 +100,11 @@ def run_serve(args: argparse.Namespace, err_console: Console) -> int:
 
 def _load_generator(args: argparse.Namespace, spec: SpecConfig) -> Generator:
     """Load the model and warm it up (on the model thread, which runs every request)."""
+    from specfork.cli import model_options
     from specfork.engine import Generator
     from specfork.loading.loader import load_model
 
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device, progress=False)
+    loaded = load_model(args.model, progress=False, **model_options(args))
     generator = Generator(loaded, spec=spec, max_context=args.max_context)
     generator.warm_up()
     return generator

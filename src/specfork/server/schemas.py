@@ -32,7 +32,7 @@ LAYERS = re.compile(r"\s*\d{1,4}(\s*-\s*\d{1,4})?(\s*,\s*\d{1,4}(\s*-\s*\d{1,4})
 # fmt: off
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-    "stream_options", "n", "user", "speculative", "ignore_eos",
+    "stream_options", "n", "user", "speculative", "ignore_eos", "exact",
 })
 # fmt: on
 KIND_FIELDS = {"completion": {"prompt"}, "chat": {"messages", "max_completion_tokens"}}
@@ -277,8 +277,9 @@ def _generation(obj: dict[str, Any], max_tokens: int) -> GenerationConfig:
         )
     try:
         return GenerationConfig(
-            max_new_tokens=max_tokens, stop=tuple(stop), ignore_eos=_bool(obj, "ignore_eos")
-        )
+            max_new_tokens=max_tokens, stop=tuple(stop), ignore_eos=_bool(obj, "ignore_eos"),
+            exact=_bool(obj, "exact"),
+        )  # fmt: skip
     except ConfigError as exc:
         raise APIError(str(exc), param="stop") from exc
 
