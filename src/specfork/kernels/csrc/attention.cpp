@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -12,7 +14,9 @@
 
 namespace sf {
 
-static inline float load1(const void* base, CacheType type, int64_t i) {
+namespace {
+
+inline float load1(const void* base, CacheType type, int64_t i) {
   switch (type) {
     case CacheType::F32: return static_cast<const float*>(base)[i];
     case CacheType::F16: return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
@@ -21,12 +25,182 @@ static inline float load1(const void* base, CacheType type, int64_t i) {
   return 0.f;
 }
 
-static inline void store1(void* base, CacheType type, int64_t i, float x) {
+inline void store1(void* base, CacheType type, int64_t i, float x) {
   switch (type) {
     case CacheType::F32: static_cast<float*>(base)[i] = x; break;
     case CacheType::F16: static_cast<uint16_t*>(base)[i] = f32_to_f16(x); break;
     case CacheType::BF16: static_cast<uint16_t*>(base)[i] = f32_to_bf16(x); break;
   }
+}
+
+// A chunk's keys or values as float [n, D] (gathered from its slots, converted once).
+void gather(const void* base, CacheType type, int64_t head_base, const int32_t* slots, int64_t n,
+            int64_t D, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t at = head_base + static_cast<int64_t>(slots[j]) * D;
+    if (type == CacheType::F32) {
+      std::memcpy(out + j * D, static_cast<const float*>(base) + at, D * sizeof(float));
+    } else {
+      for (int64_t d = 0; d < D; ++d) out[j * D + d] = load1(base, type, at + d);
+    }
+  }
+}
+
+SF_AVX512 void gather_avx512(const void* base, CacheType type, int64_t head_base,
+                             const int32_t* slots, int64_t n, int64_t D, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t at = head_base + static_cast<int64_t>(slots[j]) * D;
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 x;
+      if (type == CacheType::F32) {
+        x = _mm512_loadu_ps(static_cast<const float*>(base) + at + d);
+      } else {
+        const __m256i h = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at + d));
+        x = type == CacheType::F16 ? _mm512_cvtph_ps(h)
+                                   : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      }
+      _mm512_storeu_ps(out + j * D + d, x);
+    }
+  }
+}
+
+// -- one chunk, one (row, head): scores, max, exponentials, their sum, weighted values -----------
+
+struct Partial {
+  float m, l;  // max score, sum of exp(score - m)
+};
+
+Partial chunk_generic(const float* q, const float* K, const float* V, int64_t n, int64_t D,
+                      float scale, float* e, float* o) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    float dot = 0.f;
+    for (int64_t d = 0; d < D; ++d) dot = std::fma(q[d], K[j * D + d], dot);
+    e[j] = dot * scale;
+    top = std::max(top, e[j]);
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    e[j] = std::exp(e[j] - top);
+    sum += e[j];
+  }
+  for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) o[d] = std::fma(e[j], V[j * D + d], o[d]);
+  return {top, sum};
+}
+
+// Dot products of q with 4 keys at once (independent chains; each key's sum is formed the
+// same way whatever its place among the four, so the result depends on the key alone).
+SF_AVX512 inline void dots4(const __m512* qv, int64_t vecs, const float* K, int64_t D,
+                            float* out) {
+  __m512 a[4];
+  for (int i = 0; i < 4; ++i) a[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(K + i * D));
+  for (int64_t c = 1; c < vecs; ++c)
+    for (int i = 0; i < 4; ++i) a[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(K + i * D + 16 * c), a[i]);
+  for (int i = 0; i < 4; ++i) out[i] = _mm512_reduce_add_ps(a[i]);
+}
+
+SF_AVX512 inline float dot1(const __m512* qv, int64_t vecs, const float* k) {
+  __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+  for (int64_t c = 1; c < vecs; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);
+  return _mm512_reduce_add_ps(a);
+}
+
+SF_AVX512 Partial chunk_avx512(const float* q, const float* K, const float* V, int64_t n,
+                               int64_t D, float scale, float* e, float* o) {
+  const int64_t vecs = D / 16;
+  __m512 qv[16];
+  for (int64_t c = 0; c < vecs; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) dots4(qv, vecs, K + j * D, D, e + j);
+  for (; j < n; ++j) e[j] = dot1(qv, vecs, K + j * D);
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (j = 0; j < n; j += 16) {  // scale, then the max (exact in any order)
+    const __mmask16 lanes = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, e + j), sc);
+    _mm512_mask_storeu_ps(e + j, lanes, x);
+    top = _mm512_mask_max_ps(top, lanes, top, x);
+  }
+  const float mx = _mm512_reduce_max_ps(top);
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 sums = _mm512_setzero_ps();
+  for (j = 0; j < n; j += 16) {
+    const __mmask16 lanes = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m512 x = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, e + j), m));
+    _mm512_mask_storeu_ps(e + j, lanes, x);
+    sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(lanes, x));
+  }
+  // weighted values: even and odd ranks in two sets of accumulators, added at the end
+  __m512 even[16], odd[16];
+  for (int64_t c = 0; c < vecs; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+  for (j = 0; j + 2 <= n; j += 2) {
+    const __m512 p0 = _mm512_set1_ps(e[j]), p1 = _mm512_set1_ps(e[j + 1]);
+    const float* v0 = V + j * D;
+    for (int64_t c = 0; c < vecs; ++c) {
+      even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+      odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v0 + D + 16 * c), odd[c]);
+    }
+  }
+  if (j < n) {
+    const __m512 p0 = _mm512_set1_ps(e[j]);
+    for (int64_t c = 0; c < vecs; ++c)
+      even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(V + j * D + 16 * c), even[c]);
+  }
+  for (int64_t c = 0; c < vecs; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(even[c], odd[c]));
+  return {mx, _mm512_reduce_add_ps(sums)};
+}
+
+// Merge the chunk partials of one (row, head) in chunk order: out = o / l.
+void merge(const float* ms, const float* ls, const float* os, int64_t chunks, int64_t D,
+           float* out) {
+  float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+  for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float top = std::max(m, ms[c]);
+    const float a = std::exp(m - top), b = std::exp(ms[c] - top);
+    l = l * a + ls[c] * b;
+    for (int64_t d = 0; d < D; ++d) out[d] = out[d] * a + os[c * D + d] * b;
+    m = top;
+  }
+  const float inv = 1.f / l;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+}
+
+}  // namespace
+
+AttnPlan plan_attention(Visible vis_, int64_t rows) {
+  AttnPlan plan;
+  plan.vis = std::move(vis_);
+  const Visible& vis = plan.vis;
+  plan.chunks.resize(rows);
+  std::map<std::pair<int64_t, int32_t>, size_t> shared;  // (chunk, first slot) -> task
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = vis.off[r + 1] - vis.off[r];
+    const int32_t* list = vis.idx.data() + vis.off[r];
+    plan.chunks[r] = (n + kChunk - 1) / kChunk;
+    plan.max_chunks = std::max(plan.max_chunks, plan.chunks[r]);
+    for (int64_t c = 0; c < plan.chunks[r]; ++c) {
+      const int32_t* slots = list + c * kChunk;
+      const int64_t len = std::min(kChunk, n - c * kChunk);
+      const bool run = len == kChunk && slots[len - 1] - slots[0] == len - 1;  // contiguous
+      if (run) {
+        auto found = shared.find({c, slots[0]});
+        if (found != shared.end()) {
+          plan.tasks[found->second].rows.push_back(static_cast<int32_t>(r));
+          continue;
+        }
+        shared[{c, slots[0]}] = plan.tasks.size();
+      }
+      const int64_t first = vis.off[r] + c * kChunk;
+      plan.tasks.push_back(ChunkTask{first, len, {static_cast<int32_t>(r)}, c});
+    }
+  }
+  for (const auto& t : plan.tasks)
+    plan.max_rows = std::max<int64_t>(plan.max_rows, static_cast<int64_t>(t.rows.size()));
+  return plan;
 }
 
 void write_kv(const KVView& kv, const float* k, const float* v, int64_t ld, int64_t rows,
@@ -40,105 +214,56 @@ void write_kv(const KVView& kv, const float* k, const float* v, int64_t ld, int6
       }
 }
 
-// -- generic ---------------------------------------------------------------------------------
-
-static void head_generic(const float* q, const KVView& kv, const int32_t* idx, int64_t n,
-                         int64_t g, const AttnShape& s, float* scores, float* out) {
-  const int64_t D = s.head_dim;
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t base = (g * kv.slots + idx[j]) * D;
-    float dot = 0.f;
-    for (int64_t d = 0; d < D; ++d) dot = std::fma(q[d], load1(kv.k, kv.type, base + d), dot);
-    scores[j] = dot * s.scale;
-    top = std::max(top, scores[j]);
-  }
-  float sum = 0.f;
-  for (int64_t j = 0; j < n; ++j) {
-    scores[j] = std::exp(scores[j] - top);
-    sum += scores[j];
-  }
-  for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t base = (g * kv.slots + idx[j]) * D;
-    for (int64_t d = 0; d < D; ++d) out[d] = std::fma(scores[j], load1(kv.v, kv.type, base + d), out[d]);
-  }
-  const float inv = 1.f / sum;
-  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
-}
-
-// -- AVX-512 (head_dim a multiple of 16, at most 256) -----------------------------------------
-
-template <CacheType T>
-SF_AVX512 static inline __m512 load16(const void* base, int64_t i) {
-  if constexpr (T == CacheType::F32) {
-    return _mm512_loadu_ps(static_cast<const float*>(base) + i);
-  } else if constexpr (T == CacheType::F16) {
-    return _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i)));
-  } else {
-    const __m256i h =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-}
-
-template <CacheType T>
-SF_AVX512 static void head_avx512(const float* q, const KVView& kv, const int32_t* idx, int64_t n,
-                                  int64_t g, const AttnShape& s, float* scores, float* out) {
-  const int64_t D = s.head_dim, chunks = D / 16;
-  __m512 qv[16];
-  for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t base = (g * kv.slots + idx[j]) * D;
-    __m512 acc = _mm512_mul_ps(qv[0], load16<T>(kv.k, base));
-    for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], load16<T>(kv.k, base + 16 * c), acc);
-    scores[j] = _mm512_reduce_add_ps(acc) * s.scale;
-    top = std::max(top, scores[j]);
-  }
-  const __m512 m = _mm512_set1_ps(top);
-  __m512 sums = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + j), m));
-    _mm512_mask_storeu_ps(scores + j, lanes, e);
-    sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(lanes, e));
-  }
-  const float inv = 1.f / _mm512_reduce_add_ps(sums);
-  __m512 acc[16];
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t base = (g * kv.slots + idx[j]) * D;
-    const __m512 p = _mm512_set1_ps(scores[j]);
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, load16<T>(kv.v, base + 16 * c), acc[c]);
-  }
-  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
-}
-
-void attention(const float* q, int64_t ldq, const KVView& kv, const Visible& vis,
+void attention(const float* q, int64_t ldq, const KVView& kv, const AttnPlan& plan,
                const AttnShape& s, float* out) {
-  const int64_t group = s.heads / s.heads_kv, D = s.head_dim;
+  const int64_t group = s.heads / s.heads_kv, D = s.head_dim, C = plan.max_chunks;
   const bool vec = isa_level() == kAvx512 && D % 16 == 0 && D <= 256;
-  int64_t longest = 0;
-  for (int64_t r = 0; r < s.rows; ++r) longest = std::max(longest, vis.off[r + 1] - vis.off[r]);
-  parallel(s.rows * s.heads, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(longest + 16);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / s.heads, h = item % s.heads, g = h / group;
-      const int32_t* idx = vis.idx.data() + vis.off[r];
-      const int64_t n = vis.off[r + 1] - vis.off[r];
-      const float* qh = q + r * ldq + h * D;
-      float* o = out + (r * s.heads + h) * D;
-      if (!vec) {
-        head_generic(qh, kv, idx, n, g, s, scores.data(), o);
-      } else if (kv.type == CacheType::F16) {
-        head_avx512<CacheType::F16>(qh, kv, idx, n, g, s, scores.data(), o);
-      } else if (kv.type == CacheType::BF16) {
-        head_avx512<CacheType::BF16>(qh, kv, idx, n, g, s, scores.data(), o);
-      } else {
-        head_avx512<CacheType::F32>(qh, kv, idx, n, g, s, scores.data(), o);
+  // partials [rows, heads, chunks]: max, sum, weighted values [D]
+  std::vector<float> pm(s.rows * s.heads * C), pl(s.rows * s.heads * C);
+  std::vector<float> po(s.rows * s.heads * C * D);
+  // items: (task, kv head, block of up to kRowBlock of the task's rows), taken dynamically
+  struct Item {
+    int32_t task, g, row0, rows;
+  };
+  constexpr int32_t kRowBlock = 4;
+  std::vector<Item> items;
+  for (size_t t = 0; t < plan.tasks.size(); ++t)
+    for (int32_t g = 0; g < s.heads_kv; ++g)
+      for (int32_t r = 0; r < static_cast<int32_t>(plan.tasks[t].rows.size()); r += kRowBlock) {
+        const int32_t n = std::min<int32_t>(kRowBlock, plan.tasks[t].rows.size() - r);
+        items.push_back(Item{static_cast<int32_t>(t), g, r, n});
       }
+  struct Scratch {
+    std::vector<float> K, V, e;
+  };
+  parallel_dynamic(
+      static_cast<int64_t>(items.size()),
+      [&] { return Scratch{std::vector<float>(kChunk * D), std::vector<float>(kChunk * D),
+                           std::vector<float>(kChunk + 16)}; },
+      [&](int64_t i, Scratch& w) {
+        const Item& it = items[i];
+        const ChunkTask& t = plan.tasks[it.task];
+        const int32_t* slots = plan.vis.idx.data() + t.first;
+        auto fetch = vec ? gather_avx512 : gather;
+        fetch(kv.k, kv.type, it.g * kv.slots * D, slots, t.n, D, w.K.data());
+        fetch(kv.v, kv.type, it.g * kv.slots * D, slots, t.n, D, w.V.data());
+        for (int32_t k = it.row0; k < it.row0 + it.rows; ++k) {
+          const int64_t r = t.rows[k];
+          for (int64_t h = it.g * group; h < (it.g + 1) * group; ++h) {
+            const int64_t at = (r * s.heads + h) * C + t.chunk;
+            const float* qh = q + r * ldq + h * D;
+            const Partial p = vec ? chunk_avx512(qh, w.K.data(), w.V.data(), t.n, D, s.scale, w.e.data(), &po[at * D])
+                                  : chunk_generic(qh, w.K.data(), w.V.data(), t.n, D, s.scale, w.e.data(), &po[at * D]);
+            pm[at] = p.m;
+            pl[at] = p.l;
+          }
+        }
+      });
+  parallel(s.rows * s.heads, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / s.heads;
+      const int64_t at = item * C;
+      merge(&pm[at], &pl[at], &po[at * D], plan.chunks[r], D, out + item * D);
     }
   });
 }

@@ -7,6 +7,8 @@
 // reduction, and every reduction runs in one fixed order.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -50,6 +52,19 @@ template <typename F>
 inline void parallel(int64_t n, F&& fn) {
   if (n <= 0) return;
   at::parallel_for(0, n, 1, fn);
+}
+
+// Runs fn(i) for every i in [0, n), threads taking the next item as they finish one (for items
+// of uneven cost). `init()` makes each thread's scratch state, passed to fn.
+template <typename Init, typename F>
+inline void parallel_dynamic(int64_t n, Init&& init, F&& fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    auto state = init();
+    for (int64_t i = next++; i < n; i = next++) fn(i, state);
+  });
 }
 
 }  // namespace sf

@@ -224,10 +224,11 @@ class FastModel {
       check(mask_c.numel() == T * T, "the tree mask must be [T, T]");
       m = mask_c.data_ptr<bool>();
     }
-    const Visible vis_full = visible(pos.data_ptr<int64_t>(), T, m, kpos.data_ptr<int64_t>(), start, -1);
-    const Visible vis_local = window_ > 0
-        ? visible(pos.data_ptr<int64_t>(), T, m, kpos.data_ptr<int64_t>(), start, window_)
-        : Visible{};
+    const AttnPlan plan_full =
+        plan_attention(visible(pos.data_ptr<int64_t>(), T, m, kpos.data_ptr<int64_t>(), start, -1), T);
+    const AttnPlan plan_local = window_ > 0
+        ? plan_attention(visible(pos.data_ptr<int64_t>(), T, m, kpos.data_ptr<int64_t>(), start, window_), T)
+        : AttnPlan{};
 
     std::vector<int64_t> run;
     if (layers.has_value()) {
@@ -247,7 +248,7 @@ class FastModel {
       kv.k = static_cast<char*>(k_cache.data_ptr()) + i * per_layer * esize;
       kv.v = static_cast<char*>(v_cache.data_ptr()) + i * per_layer * esize;
       const bool own_rope = l.sliding && rope_local_.inv.defined();
-      block(l, h, T, kv, start, local ? vis_local : vis_full, own_rope ? cos_local : cos_full,
+      block(l, h, T, kv, start, local ? plan_local : plan_full, own_rope ? cos_local : cos_full,
             own_rope ? sin_local : sin_full);
     }
     for (int64_t r = 0; r < T; ++r)
@@ -337,7 +338,7 @@ class FastModel {
   }
 
   void block(const Layer& l, float* h, int64_t T, const KVView& kv, int64_t start,
-             const Visible& vis, const std::vector<float>& cos_t,
+             const AttnPlan& plan, const std::vector<float>& cos_t,
              const std::vector<float>& sin_t) {
     const int64_t D = hidden_, qd = heads_ * head_dim_, kvd = heads_kv_ * head_dim_;
     x_.resize(T * std::max(D, ffn_));
@@ -365,7 +366,7 @@ class FastModel {
     rope_rows(q, ld, T, heads_, cos_t, sin_t);
     rope_rows(k, ld, T, heads_kv_, cos_t, sin_t);
     write_kv(kv, k, v, ld, T, heads_kv_, head_dim_, start);
-    attention(q, ld, kv, vis, AttnShape{T, heads_, heads_kv_, head_dim_, attn_scale_}, att_.data());
+    attention(q, ld, kv, plan, AttnShape{T, heads_, heads_kv_, head_dim_, attn_scale_}, att_.data());
     {
       Activations a(att_.data(), T, qd, qd);
       l.o.run(a, x_.data(), D);
