@@ -13,6 +13,7 @@ PROMPT = "Repeat exactly: one two three, one two three, one two three."
 DSPARK_FIELDS = {
     *("round", "position", "k", "drafted", "accepted", "emitted", "first_rejected"),
     *("top1", "margin", "ema", "confidence", "next_k", "first_rejection_rate"),
+    "proposed",  # the draft before the goodput gate shortened it
 }
 
 
@@ -58,7 +59,7 @@ def test_dspark_trace_schema(dspark_trace: Path) -> None:
     for r in records:
         assert set(r) == DSPARK_FIELDS
         assert 0 <= r["k"] <= 8 and 2 <= r["next_k"] <= 8  # k < 2 only where the budget cut it
-        assert 0 <= r["accepted"] <= r["drafted"] <= r["k"]
+        assert 0 <= r["accepted"] <= r["drafted"] <= r["proposed"] <= r["k"]
         assert 0 <= r["confidence"] <= 1 and 0 < r["top1"] <= 1 and 0 <= r["margin"] <= 1
         assert r["first_rejected"] == (r["drafted"] > 0 and r["accepted"] == 0)
         if r["first_rejected"]:

@@ -59,9 +59,9 @@ def test_trace_file_schema_and_stats(capsys, tmp_path: Path) -> None:
     assert records and [r["round"] for r in records] == list(range(len(records)))
     for r in records:
         keys = {"round", "position", "k", "drafted", "accepted", "emitted", "first_rejected"}
-        assert set(r) == keys
+        assert set(r) == {*keys, "proposed"}  # proposed: the draft before the goodput gate
         assert r["first_rejected"] == (r["drafted"] > 0 and r["accepted"] == 0)
-        assert 0 <= r["accepted"] <= r["drafted"] <= r["k"] <= 3
+        assert 0 <= r["accepted"] <= r["drafted"] <= r["proposed"] <= r["k"] <= 3
         assert r["emitted"] == r["accepted"] + 1
     assert sum(r["emitted"] for r in records) + 1 >= 24  # the first token comes from prefill
     assert "acceptance_rate" in err and "draft_forwards" in err

@@ -88,7 +88,14 @@ ORACLE_PROMPT = 3  # the prompt whose plain-greedy continuation the oracle draft
 
 
 def _spec(drafter: str, k: int, **kwargs) -> SpecConfig:
-    return SpecConfig(strategy="speculative", drafter=drafter, k=k, **kwargs)
+    """A chain strategy without the goodput gate: these tests check what is drafted and
+    accepted, so every draft must be verified as drafted (the gate has tests of its own)."""
+    return SpecConfig(strategy="speculative", drafter=drafter, k=k, goodput=False, **kwargs)
+
+
+def _ungated(strategy: str, drafter: str, **kwargs) -> SpecConfig:
+    """A DSpark or SPORK strategy without the goodput gate (see `_spec`)."""
+    return SpecConfig(strategy, drafter, goodput=False, **kwargs)
 
 
 DRAFT_MODEL = f"model:{DEFAULT_MODEL}"  # the target itself as a separate draft model
@@ -109,15 +116,31 @@ EXACT_PLAN: dict[str, tuple[SpecConfig, tuple[int, ...]]] = {
     "self-skip-10-19-k3": (_spec("self", 3, skip_layers="10-19"), (3,)),  # a real subset
     "draft-model-k4": (_spec(DRAFT_MODEL, 4), ALL_PROMPTS),
     # DSpark changes only how much is drafted: the output must still be plain greedy's
-    "dspark-ngram": (SpecConfig("dspark", "ngram"), (0, 2, 4, 6, 8)),
-    "dspark-draft-model": (SpecConfig("dspark", DRAFT_MODEL), (1, 6)),
-    "dspark-self-skip-10-19": (SpecConfig("dspark", "self", skip_layers="10-19"), (5,)),
+    "dspark-ngram": (_ungated("dspark", "ngram"), (0, 2, 4, 6, 8)),
+    "dspark-draft-model": (_ungated("dspark", DRAFT_MODEL), (1, 6)),
+    "dspark-self-skip-10-19": (
+        _ungated("dspark", "self", skip_layers="10-19"),
+        (5,),
+    ),
     # SPORK: trees verified in one pass, the accepted path compacted in the cache
-    "spork-recycle-forks": (SpecConfig("spork", "recycle"), (1, 3, 5, 7, 9)),
-    "spork-recycle-dynamic": (SpecConfig("spork", "recycle", tree="dynamic"), (0, 2, 7)),
-    "spork-recycle+ngram": (SpecConfig("spork", "recycle+ngram"), (1, 3, 5)),
-    "spork-recycle+self": (SpecConfig("spork", "recycle+self", skip_layers="10-19"), (4,)),
-    "spork-draft-model-dynamic": (SpecConfig("spork", DRAFT_MODEL, tree="dynamic"), (6,)),
+    "spork-recycle-forks": (_ungated("spork", "recycle"), (1, 3, 5, 7, 9)),
+    "spork-recycle-dynamic": (
+        _ungated("spork", "recycle", tree="dynamic"),
+        (0, 2, 7),
+    ),
+    "spork-recycle+ngram": (_ungated("spork", "recycle+ngram"), (1, 3, 5)),
+    "spork-recycle+self": (
+        _ungated("spork", "recycle+self", skip_layers="10-19"),
+        (4,),
+    ),
+    "spork-draft-model-dynamic": (
+        _ungated("spork", DRAFT_MODEL, tree="dynamic"),
+        (6,),
+    ),
+    # the goodput gate on (the default): it only shortens drafts, the output stays plain's
+    "ngram-goodput": (SpecConfig("speculative", "ngram", k=4), (0, 3, 6, 9)),
+    "dspark-goodput": (SpecConfig("dspark", "ngram"), (1, 4)),
+    "spork-recycle+ngram-goodput": (SpecConfig("spork", "recycle+ngram"), (2, 5)),
 }
 IDENTICAL_DRAFTERS = ("self-layers-0-29-k3", "draft-model-k4", "dspark-draft-model")
 MODEL_DRAFTERS = (

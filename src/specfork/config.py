@@ -222,6 +222,10 @@ class SpecConfig:
     nodes whose prior score is below `tau` are not verified; forks, depth and tau adapt toward
     `target_acceptance` when `adapt`. `lossy_typical` swaps exact verification for Medusa's
     typical acceptance (LOSSY: the output may differ from plain decoding).
+
+    `goodput` (chains: speculative and dspark) verifies only as much of each draft as its
+    source's acceptance so far says will pay for the extra rows (see `specfork.goodput`); it
+    never changes the output.
     """
 
     strategy: str = "ar"
@@ -255,6 +259,7 @@ class SpecConfig:
     lossy_typical: bool = False
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
+    goodput: bool = True  # chains: verify only the part of a draft expected to pay (goodput.py)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -282,6 +287,9 @@ class SpecConfig:
                 raise ConfigError(f"{name} must be a layer list such as '0-11', got {value!r}")
         if self.self_layers and self.skip_layers:
             raise ConfigError("give either self_layers (early exit) or skip_layers, not both")
+        for name in ("goodput", "adapt", "recycle_persist", "recycle_prior", "lossy_typical"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_dspark()
         self._check_spork()
 

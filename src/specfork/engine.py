@@ -19,13 +19,22 @@ from specfork.cache import KVCache
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from specfork.errors import ConfigError, PromptError
+from specfork.goodput import CostCurve, GoodputGate, TreeGate
 from specfork.loading.loader import LoadedModel
 from specfork.metrics import GenerationStats, RoundRecord
 from specfork.output import OutputBuilder
 from specfork.policies import DraftPolicy, RoundInfo
 from specfork.sampling import make_generator, next_token, probabilities
 from specfork.strategies import build_strategy
-from specfork.tree import Tree, cache_indices, children, depths, tree_mask, tree_positions
+from specfork.tree import (
+    Tree,
+    cache_indices,
+    children,
+    depths,
+    prune,
+    tree_mask,
+    tree_positions,
+)
 from specfork.verify import one_hot_q, verify_greedy, verify_sampling
 from specfork.verify_tree import (
     TreeVerdict,
@@ -70,7 +79,9 @@ class Generator:
     """Runs requests on one loaded model (one at a time: the model and cache are shared).
 
     The strategy comes from `spec`; a custom `drafter` (any object following the Drafter
-    protocol) and/or `policy` replace the ones `spec` would build.
+    protocol) and/or `policy` replace the ones `spec` would build. `cost_curve` is what the
+    goodput gate assumes a forward of R rows costs (default: measured on the model at the
+    first request that needs it); a fixed curve makes draft lengths reproducible.
     """
 
     def __init__(
@@ -82,6 +93,7 @@ class Generator:
         policy: DraftPolicy | None = None,
         max_context: int | None = None,
         prefill_chunk: int = 512,
+        cost_curve: CostCurve | None = None,
     ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -105,6 +117,8 @@ class Generator:
         )
         self._cache: KVCache | None = None
         self._warned_thread = False
+        self._cost_curve = cost_curve  # measured on first use when None (goodput.py)
+        self._gate: GoodputGate | TreeGate | None = None  # the running request's, if it has one
 
     # -- prompts ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
@@ -202,6 +216,7 @@ class Generator:
             if self.drafter is not None:
                 self.drafter.begin(ids)
                 self.policy.reset()
+            self._gate = self._new_gate()
             logits = self._prefill(ids, cache)  # [V]
             stats.prefill_seconds = time.perf_counter() - t0
             tokens = [next_token(logits, sampling, rng)]
@@ -251,7 +266,10 @@ class Generator:
         """
         if self.spec.strategy == "spork":
             return self._tree_round(history, max_draft, cache, sampling, rng, stats)
-        draft, k = self._draft(history, max_draft, sampling, rng)
+        proposed, k = self._draft(history, max_draft, sampling, rng)
+        draft = proposed
+        if isinstance(self._gate, GoodputGate) and len(proposed):
+            draft = proposed.head(self._gate.length(proposed.source, len(proposed)))
         start = cache.length
         t0 = time.perf_counter()
         chain = [history[-1], *draft.tokens.tolist()]
@@ -266,6 +284,8 @@ class Generator:
             verdict = verify_sampling(drafted, p, q, rng)
         cache.truncate(start + 1 + verdict.accepted)  # drop the rejected drafts' entries
         stats.record_round(len(draft), verdict.accepted)
+        if isinstance(self._gate, GoodputGate):
+            self._gate.observe(proposed.source, proposed.tokens.tolist(), verdict.tokens)
         generated = len(history) - self._prompt_len
         extra = {}
         if self.drafter is not None:
@@ -273,7 +293,7 @@ class Generator:
             self.drafter.rollback(len(history) + verdict.accepted)
             info = RoundInfo(len(draft), verdict.accepted, generated + len(verdict.tokens), logits)
             self.policy.update(info)
-            extra = self.policy.trace()
+            extra = {**self.policy.trace(), "proposed": len(proposed)}  # before the gate
         first_rejected = len(draft) > 0 and verdict.accepted == 0
         stats.rounds.append(
             RoundRecord(len(stats.rounds), generated, k, len(draft), verdict.accepted,
@@ -295,6 +315,11 @@ class Generator:
         shape = self.policy.next_shape(generated)
         room = cache.max_len - cache.length - 1  # nodes that fit after the root
         draft, tree = self.drafter.propose_tree(history, shape, max_depth, max(room, 0))
+        scores, node_depths = self._gated_tree_scores(draft, tree)
+        if scores is not None:
+            tree, index = prune(tree, torch.tensor(self._gate.keep(scores, node_depths)))
+            scores = [s for s, i in zip(scores, index.tolist(), strict=True) if i >= 0]
+            node_depths = [d for d, i in zip(node_depths, index.tolist(), strict=True) if i >= 0]
         start = cache.length
         t0 = time.perf_counter()
         inputs = torch.tensor([history[-1], *tree.tokens.tolist()], device=self.model.device)
@@ -304,6 +329,8 @@ class Generator:
         logits = self.model.logits(hidden[0])  # [N + 1, V]
         stats.verify_seconds += time.perf_counter() - t0
         verdict = self._verify_tree(tree, logits, sampling, rng)
+        if scores is not None:
+            self._gate.observe(scores, node_depths, verdict.path)
         cache.keep(cache_indices(verdict.path, start), start)  # the accepted path, compacted
         self.drafter.observe(inputs, logits)
         self.drafter.rollback(len(history) + verdict.accepted)
@@ -339,7 +366,30 @@ class Generator:
             return EMPTY_DRAFT, 0
         generated = len(history) - self._prompt_len
         k = min(self.policy.next_k(generated), max_draft)
+        draft_cost = getattr(self.drafter, "cost", 0.0)
+        if isinstance(self._gate, GoodputGate) and draft_cost > 0:  # a model drafter: tokens cost
+            k = min(k, self._gate.length(self.drafter.name, k, draft_cost))
+        if k < 1:
+            return EMPTY_DRAFT, 0
         return self.drafter.propose(history, k, sampling, rng), k
+
+    def _gated_tree_scores(self, draft: Draft, tree: Tree) -> tuple[list | None, list]:
+        """The tree's node scores and depths when a tree gate will cut it, else (None, [])."""
+        if not isinstance(self._gate, TreeGate) or draft.scores is None or not len(tree):
+            return None, []
+        return draft.scores.tolist(), depths(tree).tolist()
+
+    def _new_gate(self) -> GoodputGate | TreeGate | None:
+        """A fresh goodput gate for a strategy that asks for one (goodput.py)."""
+        if not (self.spec.goodput and self.drafter is not None):
+            return None
+        if self._cost_curve is None:
+            self._cost_curve = CostCurve.measure(self.model)
+            log.info("forward cost by rows: %s", dict(zip(self._cost_curve.rows,
+                     (round(c, 2) for c in self._cost_curve.cost), strict=True)))  # fmt: skip
+        if self.spec.strategy == "spork":
+            return TreeGate(self._cost_curve)
+        return GoodputGate(self._cost_curve)
 
     def _cache_for(self, length: int) -> KVCache:
         """A cache of at least `length` slots, reused across requests when big enough."""

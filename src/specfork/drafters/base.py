@@ -29,9 +29,18 @@ class Draft:
     q: torch.Tensor | None = None  # [K, V] float32
     forwards: int = 0
     parents: torch.Tensor | None = None  # [K] int64 for a tree: parent node, -1 = the root
+    source: str = ""  # what produced it, for acceptance statistics (e.g. "ngram-3")
+    scores: torch.Tensor | None = None  # [K] float64: a tree node's prior score (SPORK)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    def head(self, k: int) -> Draft:
+        """The first k tokens (and their q) of a chain draft."""
+        if k >= len(self):
+            return self
+        q = None if self.q is None else self.q[:k]
+        return Draft(self.tokens[:k], q, self.forwards, None, self.source)
 
 
 EMPTY_DRAFT = Draft(tokens=torch.empty(0, dtype=torch.long))

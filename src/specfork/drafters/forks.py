@@ -98,8 +98,9 @@ class ForkDrafter:
                 _add_tree(builder, scores, recycled, node_scores(recycled).tolist())
         built = builder.build()
         prior = torch.tensor([scores[i] for i in range(len(built))], dtype=torch.float64)  # [N]
-        tree = _cap(built, prior, shape.tau, min(shape.budget, max_nodes))
-        return Draft(tokens=tree.tokens, parents=tree.parents, forwards=forwards), tree
+        tree, kept = _cap(built, prior, shape.tau, min(shape.budget, max_nodes))
+        draft = Draft(tree.tokens, None, forwards, tree.parents, self.name, prior[kept])
+        return draft, tree
 
     def _recycled(self, root: int, shape: TreeShape, depth: int) -> Tree:
         assert self.table is not None
@@ -130,16 +131,18 @@ def _add_path(
         scores[node] = max(scores.get(node, 0.0), score)
 
 
-def _cap(tree: Tree, scores: torch.Tensor, tau: float, max_nodes: int) -> Tree:
+def _cap(tree: Tree, scores: torch.Tensor, tau: float, max_nodes: int) -> tuple[Tree, torch.Tensor]:
     """Drop nodes scoring below τ, then keep the `max_nodes` best (ancestors always kept).
 
     τ never drops the best first-level node: a round always verifies at least one guess (a
     model drafter has paid for it already, and one more row costs the verifier little).
     scores [N] never exceed a node's parent's score within one source, and a merged node
-    keeps its best source's score, so the kept set is closed under ancestors.
+    keeps its best source's score, so the kept set is closed under ancestors. Returns the
+    smaller tree and the kept nodes' mask [N].
     """
     if len(tree) == 0 or max_nodes < 1:
-        return prune(tree, torch.zeros(len(tree), dtype=torch.bool))[0]
+        pruned, index = prune(tree, torch.zeros(len(tree), dtype=torch.bool))
+        return pruned, index >= 0
     keep = scores >= tau
     first = (tree.parents < 0).nonzero().flatten()  # [F] the root's children
     keep[first[int(scores[first].argmax())]] = True  # ties: the earliest
@@ -148,4 +151,5 @@ def _cap(tree: Tree, scores: torch.Tensor, tau: float, max_nodes: int) -> Tree:
         order = sorted(range(len(tree)), key=lambda i: (-float(scores[i]), i))[:max_nodes]
         keep = torch.zeros(len(tree), dtype=torch.bool)
         keep[order] = True
-    return prune(tree, keep)[0]
+    pruned, index = prune(tree, keep)
+    return pruned, index >= 0

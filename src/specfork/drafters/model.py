@@ -84,6 +84,7 @@ class ModelDrafter:
             tokens=torch.tensor(tokens, device=self.model.device),
             q=torch.stack(qs) if qs else None,  # [K, V]
             forwards=budget,
+            source=self.name,
         )
 
     def propose_forks(

@@ -40,7 +40,7 @@ class NgramDrafter:
         for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
             start = self._latest_match(h, n)
             if start is not None:
-                return Draft(tokens=h[start + n : start + n + budget].clone())
+                return Draft(tokens=h[start + n : start + n + budget].clone(), source=f"ngram-{n}")
         return Draft(tokens=torch.empty(0, dtype=torch.long))
 
     @staticmethod

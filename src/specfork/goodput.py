@@ -1,0 +1,199 @@
+"""Cost-aware draft length: verify only as much of a draft as is expected to pay for itself.
+
+A target forward over R rows costs c(R) one-row forwards (`CostCurve`, measured on the model
+itself). If the i-th drafted token is accepted, given the ones before it were, with
+probability a_i, a draft of k tokens emits E(k) = 1 + Σ_{i≤k} Π_{j≤i} a_j tokens per forward,
+so the gate keeps the k ≤ len(draft) that maximises E(k) / c(k + 1); k = 0 is a plain step.
+The a_i are learned during the request, per draft source (an n-gram match of n tokens is one
+source, a draft model another) and per position, starting from a prior.
+
+The gate only shortens drafts: which tokens are emitted never changes, so every strategy stays
+lossless. It is what keeps speculation from costing more than it earns on a machine where
+extra verification rows are not free (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+PRIOR = 0.5  # acceptance assumed at a position not yet observed
+PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
+EXPLORE_EVERY = 16  # a costly drafter the gate has turned off still drafts one token this often
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Cost of a forward by number of rows, relative to one row (linear between points)."""
+
+    rows: tuple[int, ...]
+    cost: tuple[float, ...]
+
+    def __call__(self, r: int) -> float:
+        if r <= self.rows[0]:
+            return self.cost[0]
+        for (r0, c0), (r1, c1) in zip(
+            zip(self.rows, self.cost, strict=True),
+            zip(self.rows[1:], self.cost[1:], strict=True),
+            strict=False,
+        ):
+            if r <= r1:
+                return c0 + (c1 - c0) * (r - r0) / (r1 - r0)
+        slope = (self.cost[-1] - self.cost[-2]) / (self.rows[-1] - self.rows[-2])
+        return self.cost[-1] + slope * (r - self.rows[-1])
+
+    @classmethod
+    def measure(cls, model: object, repeats: int = 3) -> CostCurve:
+        """Time forwards (with the LM head) of 1-32 rows on a scratch cache; medians."""
+        times = []
+        cache = model.new_cache(ROWS[-1] + 1)  # type: ignore[attr-defined]
+        with torch.inference_mode():
+            for r in ROWS:
+                tokens = torch.zeros(1, r, dtype=torch.long, device=model.device)  # type: ignore[attr-defined]
+                positions = torch.arange(r, device=tokens.device)  # [R]
+                runs = []
+                for _ in range(repeats + 1):  # the first run warms up
+                    cache.reset()
+                    t0 = time.perf_counter()
+                    hidden = model(tokens, positions, cache)  # type: ignore[operator]
+                    model.logits(hidden[0])  # type: ignore[attr-defined]
+                    runs.append(time.perf_counter() - t0)
+                times.append(statistics.median(runs[1:]))
+        base = times[0]
+        cost = [max(1.0, t / base) for t in times]
+        for i in range(1, len(cost)):  # more rows never cost less (noise)
+            cost[i] = max(cost[i], cost[i - 1])
+        return cls(ROWS, tuple(cost))
+
+
+@dataclass
+class AcceptanceStats:
+    """Per draft source and position: how often a drafted token was accepted."""
+
+    hits: dict[str, list[float]] = field(default_factory=dict)
+    trials: dict[str, list[float]] = field(default_factory=dict)
+
+    def rates(self, source: str, k: int) -> list[float]:
+        """a_1..a_k: the acceptance rate at each position (given the earlier ones accepted)."""
+        hits, trials = self.hits.get(source, []), self.trials.get(source, [])
+        out = []
+        for i in range(k):
+            h = hits[i] if i < len(hits) else 0.0
+            t = trials[i] if i < len(trials) else 0.0
+            out.append((h + PRIOR * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT))
+        return out
+
+    def observe(self, source: str, drafted: list[int], emitted: list[int]) -> None:
+        """Learn from a draft (before any trimming) and the tokens the round emitted: the
+        drafted token at position i would have been accepted iff the ones before it were and
+        it equals the i-th emitted token (exactly so for greedy decoding; for sampling, an
+        estimate). Positions past the emitted tokens are not observed."""
+        matched = 0
+        while matched < min(len(drafted), len(emitted)) and drafted[matched] == emitted[matched]:
+            matched += 1
+        self._count(source, min(len(drafted), len(emitted)), matched)
+
+    def _count(self, source: str, observed: int, accepted: int) -> None:
+        seen = min(observed, accepted + 1)
+        hits = self.hits.setdefault(source, [])
+        trials = self.trials.setdefault(source, [])
+        while len(trials) < seen:
+            hits.append(0.0)
+            trials.append(0.0)
+        for i in range(seen):
+            trials[i] += 1
+            hits[i] += 1 if i < accepted else 0
+
+
+def best_length(rates: list[float], cost: CostCurve, draft_cost: float = 0.0) -> int:
+    """The k in [0, len(rates)] that maximises expected tokens per unit of cost: the target
+    forward over k + 1 rows plus `draft_cost` (in target forwards) per drafted token."""
+    best, best_value = 0, 1.0 / cost(1)
+    expected, survive = 1.0, 1.0
+    for k, a in enumerate(rates, start=1):
+        survive *= a
+        expected += survive
+        value = expected / (cost(k + 1) + draft_cost * k)
+        if value > best_value:
+            best, best_value = k, value
+    return best
+
+
+class GoodputGate:
+    """Trims drafts to their best expected length for one request (see the module doc)."""
+
+    def __init__(self, cost: CostCurve) -> None:
+        self.cost = cost
+        self.stats = AcceptanceStats()
+        self._idle: dict[str, int] = {}  # rounds since a costly source last drafted
+
+    def length(self, source: str, drafted: int, draft_cost: float = 0.0) -> int:
+        """How many of `drafted` tokens from `source` to verify (draft_cost: per token).
+
+        A costly source (draft_cost > 0: a draft model) that does not pay still drafts one
+        token every EXPLORE_EVERY rounds, so that a change in its acceptance is noticed.
+        """
+        k = best_length(self.stats.rates(source, drafted), self.cost, draft_cost)
+        if draft_cost > 0:
+            idle = self._idle.get(source, 0)
+            if k == 0 and idle + 1 >= EXPLORE_EVERY:
+                k = 1
+            self._idle[source] = 0 if k else idle + 1
+        return k
+
+    def observe(self, source: str, drafted: list[int], emitted: list[int]) -> None:
+        if drafted:
+            self.stats.observe(source, drafted, emitted)
+
+
+def _node_key(score: float, depth: int) -> tuple[int, int]:
+    """Statistics bucket of a tree node: its depth (capped) and its prior score's octave."""
+    octave = 0 if score >= 1.0 else min(8, int(-math.log2(max(score, 1e-9))) + 1)
+    return min(depth, 8), octave
+
+
+class TreeGate:
+    """Cost-aware node budget of a SPORK round.
+
+    The drafter's nodes come ranked by prior score (the best first, every node after its
+    parent). With P(node) the rate at which nodes like it (same depth, same score octave) have
+    been on the accepted path in this request, keeping the first n nodes emits
+    E(n) = 1 + Σ P(node) tokens for c(n + 1); the gate keeps the n that maximises the ratio.
+    """
+
+    def __init__(self, cost: CostCurve) -> None:
+        self.cost = cost
+        self.hits: dict[tuple[int, int], float] = {}
+        self.trials: dict[tuple[int, int], float] = {}
+
+    def _p(self, key: tuple[int, int], score: float) -> float:
+        prior = min(PRIOR, score)
+        h, t = self.hits.get(key, 0.0), self.trials.get(key, 0.0)
+        return (h + prior * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+
+    def keep(self, scores: list[float], node_depths: list[int]) -> list[bool]:
+        """Which nodes to verify (a prefix of the nodes ranked by score, ties: earlier)."""
+        order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+        best, best_value, expected = 0, 1.0 / self.cost(1), 1.0
+        for n, node in enumerate(order, start=1):
+            expected += self._p(_node_key(scores[node], node_depths[node]), scores[node])
+            value = expected / self.cost(n + 1)
+            if value > best_value:
+                best, best_value = n, value
+        keep = [False] * len(scores)
+        for node in order[:best]:
+            keep[node] = True
+        return keep
+
+    def observe(self, scores: list[float], node_depths: list[int], path: list[int]) -> None:
+        """Learn from a verified tree: which nodes were on the accepted path."""
+        on_path = set(path)
+        for node, (score, depth) in enumerate(zip(scores, node_depths, strict=True)):
+            key = _node_key(score, depth)
+            self.trials[key] = self.trials.get(key, 0.0) + 1
+            self.hits[key] = self.hits.get(key, 0.0) + (node in on_path)

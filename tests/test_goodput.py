@@ -1,0 +1,145 @@
+"""The goodput gate (specfork.goodput): cost-aware draft lengths and tree budgets.
+
+Unit tests of the arithmetic, then the gate inside the engine: a drafter that is always wrong
+is turned off after a few rounds, one that is always right keeps its whole draft, and in both
+cases the output is plain decoding's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.drafters.base import Draft
+from specfork.engine import Generator
+from specfork.goodput import (
+    EXPLORE_EVERY,
+    AcceptanceStats,
+    CostCurve,
+    GoodputGate,
+    TreeGate,
+    best_length,
+)
+from specfork.loading.loader import LoadedModel
+
+FLAT = CostCurve((1, 32), (1.0, 1.0))  # extra rows free
+STEEP = CostCurve((1, 2, 4, 8), (1.0, 2.0, 4.0, 8.0))  # linear: speculation cannot pay
+
+
+def test_cost_curve_interpolates_and_extrapolates() -> None:
+    curve = CostCurve((1, 2, 4), (1.0, 1.2, 1.6))
+    assert curve(1) == 1.0 and curve(3) == pytest.approx(1.4)
+    assert curve(6) == pytest.approx(2.0)  # the last slope continues
+    assert curve(0) == 1.0
+
+
+def test_best_length() -> None:
+    assert best_length([0.9] * 8, FLAT) == 8  # free rows: draft everything
+    assert best_length([0.05] * 8, CostCurve((1, 2), (1.0, 1.1))) == 0  # 1.05 tokens for 1.1
+    assert best_length([0.9] * 8, STEEP) == 0  # rows cost as much as steps
+    moderate = CostCurve((1, 2, 3, 4, 5), (1.0, 1.2, 1.4, 1.6, 1.8))
+    # E(k)/c(k+1) for a = 0.8: 1.8/1.2 = 1.50, 2.44/1.4 = 1.74, 2.95/1.6 = 1.85, 3.36/1.8 = 1.87
+    assert best_length([0.8] * 4, moderate) == 4
+    assert best_length([0.8, 0.8, 0.1, 0.1], moderate) == 2
+    assert best_length([0.9] * 4, FLAT, draft_cost=0.7) < 4  # a draft model's tokens cost too
+
+
+def test_acceptance_stats_learn_from_emitted_tokens() -> None:
+    stats = AcceptanceStats()
+    prior = stats.rates("s", 3)
+    assert prior == [0.5, 0.5, 0.5]
+    for _ in range(8):
+        stats.observe("s", [1, 2, 3], [1, 2, 9])  # positions 1-2 accepted, 3 rejected
+    a1, a2, a3 = stats.rates("s", 3)
+    assert a1 > 0.8 and a2 > 0.8 and a3 < 0.2
+    stats.observe("t", [5, 6], [7])  # only position 1 observed (one token emitted)
+    assert stats.trials["t"] == [1.0] and stats.hits["t"] == [0.0]
+
+
+def test_a_costly_drafter_the_gate_turned_off_still_explores() -> None:
+    gate = GoodputGate(STEEP)
+    lengths = [gate.length("model", 4, draft_cost=0.5) for _ in range(3 * EXPLORE_EVERY)]
+    assert lengths.count(1) == 3 and set(lengths) == {0, 1}
+    assert GoodputGate(FLAT).length("ngram-3", 4) == 4  # free rows, prior 0.5: worth it
+
+
+def test_tree_gate_keeps_the_best_nodes_while_they_pay() -> None:
+    gate = TreeGate(CostCurve((1, 2, 3, 4, 5), (1.0, 1.2, 1.4, 1.6, 1.8)))
+    scores = [1.0, 0.5, 1.0, 0.25]  # nodes 0 and 2 score best
+    keep = gate.keep(scores, [1, 1, 2, 2])
+    assert keep == [True, True, True, False]  # priors min(0.5, score): the 0.25 node does not pay
+    for _ in range(20):  # nodes like 0 and 2 always on the path, the others never
+        gate.observe(scores, [1, 1, 2, 2], [0, 2])
+    assert gate.keep(scores, [1, 1, 2, 2]) == [True, False, True, False]
+    free = TreeGate(FLAT)
+    assert free.keep(scores, [1, 1, 2, 2]) == [True, True, True, True]
+
+
+class WrongDrafter:
+    """Always proposes k copies of a token the model does not emit next (never accepted)."""
+
+    name = "wrong"
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        return None
+
+    def propose(self, history, budget, sampling, rng) -> Draft:
+        return Draft(torch.full((budget,), self.token), source="wrong")
+
+    def rollback(self, length: int) -> None:
+        return None
+
+
+class OracleDrafter(WrongDrafter):
+    """Proposes exactly what plain decoding emits next (always accepted)."""
+
+    def __init__(self, tokens: list[int], prompt_len: int) -> None:
+        self.tokens, self.prompt_len = tokens, prompt_len
+
+    def propose(self, history, budget, sampling, rng) -> Draft:
+        at = len(history) - self.prompt_len
+        return Draft(torch.tensor(self.tokens[at : at + budget], dtype=torch.long), source="oracle")
+
+
+N = 40
+PROMPT = "Write one sentence about the moon."
+
+
+@pytest.mark.slow
+def test_the_gate_turns_a_useless_drafter_off_and_keeps_a_perfect_one(
+    smollm_f32: LoadedModel,
+) -> None:
+    config = GenerationConfig(max_new_tokens=N, ignore_eos=True)
+    plain = Generator(smollm_f32).generate(PROMPT, config=config)
+    never = max(set(range(100, 200)) - set(plain.token_ids))  # a token plain never emits
+    # a CPU-like curve (an fp32 model is so memory-bound that rows cost almost nothing)
+    curve = CostCurve((1, 2, 4, 8), (1.0, 1.25, 1.6, 2.4))
+    gated = Generator(smollm_f32, drafter=WrongDrafter(never), spec=SpecConfig("speculative"),
+                      cost_curve=curve)  # fmt: skip
+    ungated = Generator(smollm_f32, drafter=WrongDrafter(never),
+                        spec=SpecConfig("speculative", goodput=False))  # fmt: skip
+    a, b = gated.generate(PROMPT, config=config), ungated.generate(PROMPT, config=config)
+    assert a.token_ids == b.token_ids == plain.token_ids
+    assert b.stats.drafted > 4 * (N - 5)  # k = 5 every round, all rejected
+    assert a.stats.drafted < b.stats.drafted / 4  # cut after a few rejected rounds
+    assert a.stats.accepted == b.stats.accepted == 0
+    oracle = OracleDrafter(plain.token_ids, len(plain.prompt_ids))
+    right = Generator(smollm_f32, drafter=oracle, spec=SpecConfig("speculative", k=4),
+                      cost_curve=curve)  # fmt: skip
+    c = right.generate(PROMPT, config=config)
+    assert c.token_ids == plain.token_ids
+    assert c.stats.acceptance_rate == 1.0 and c.stats.mean_accepted_length > 3
+
+
+@pytest.mark.slow
+def test_gated_sampling_stays_reproducible(smollm_f32: LoadedModel) -> None:
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    sampling = SamplingParams(temperature=0.8, seed=3)
+    gen = Generator(smollm_f32, spec=SpecConfig("speculative", "ngram", k=4))
+    first = gen.generate(PROMPT, config=config, sampling=sampling)
+    again = gen.generate(PROMPT, config=config, sampling=sampling)
+    assert first.token_ids == again.token_ids
