@@ -484,3 +484,88 @@ def test_exact_request_on_the_eager_path_is_a_config_error() -> None:
     assert not eager.model.batch_invariant
     with pytest.raises(ConfigError, match=r"batch-invariant.*eager PyTorch"):
         Generator(eager).generate("hi", config=GenerationConfig(max_new_tokens=2, exact=True))
+
+
+# ----------------------------------------------------------------------------- flags as documented
+
+
+@pytest.mark.slow
+def test_stop_escapes_are_decoded(
+    capsys: pytest.CaptureFixture[str], shared_model: LoadedModel
+) -> None:
+    prompt = "List three colours, one per line."
+    code, out, err = _run(capsys, [*BASE, "-q", "--stop", r"\n", "-n", "40", prompt])
+    assert code == 0, err
+    assert out == _library(shared_model, prompt, stop=("\n",), max_new_tokens=40) + "\n"
+    assert "\n" not in out[:-1]
+
+
+@pytest.mark.slow
+def test_stdin_loses_one_trailing_newline(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, shared_model: LoadedModel
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Once upon a time\n"))
+    code, out, _ = _run(capsys, [*BASE, "-q", "--no-chat", "-n", "6", "--ignore-eos"])
+    limits = {"max_new_tokens": 6, "ignore_eos": True}
+    assert (
+        code == 0 and out == _library(shared_model, "Once upon a time", chat=False, **limits) + "\n"
+    )
+
+
+@pytest.mark.slow
+def test_prompts_keep_backslashes_unless_escape_is_given(
+    capsys: pytest.CaptureFixture[str], shared_model: LoadedModel
+) -> None:
+    latex = r"Simplify \frac{2}{4}\n"
+    limits = {"max_new_tokens": 4, "ignore_eos": True}
+    code, out, _ = _run(capsys, [*BASE, "-q", "--no-chat", "-n", "4", "--ignore-eos", latex])
+    assert code == 0 and out == _library(shared_model, latex, chat=False, **limits) + "\n"
+    code, out, _ = _run(capsys, [*BASE, "-q", "-e", "--no-chat", "-n", "4", "--ignore-eos", latex])
+    decoded = "Simplify \x0crac{2}{4}\n"  # \f is a form feed, as in Python strings
+    assert code == 0 and out == _library(shared_model, decoded, chat=False, **limits) + "\n"
+
+
+def test_verbose_is_accepted_after_the_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, ["generate", "-v", "--max-new-tokens", "0", "hi"])
+    assert code == 2 and "max_new_tokens" in err  # parsed; failed on the value, not the flag
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--strategy", "speculative", "--min-k", "3"], "--min-k is a flag of --strategy dspark"),
+        (["--strategy", "dspark", "--forks", "3"], "--forks is a flag of --strategy spork"),
+        (["--strategy", "ar", "--k", "3"], "--k needs a speculative strategy"),
+        (["--forks", "2", "--min-k", "3"], "flags of several strategies"),
+        (["--strategy", "dspark", "--k-policy", "heuristic"], "not used by --strategy dspark"),
+    ],
+)
+def test_flags_the_strategy_does_not_use_are_errors(
+    capsys: pytest.CaptureFixture[str], flags: list[str], words: str
+) -> None:
+    code, _, err = _run(capsys, ["generate", *flags, "hi"])
+    assert code == 2 and words in err and "Traceback" not in err
+
+
+def test_a_drafter_without_a_strategy_speculates() -> None:
+    from specfork.cli import build_parser, explicit_dests, resolve_strategy
+
+    parser = build_parser()
+    generate = parser._subparsers._group_actions[0].choices["generate"]
+    for argv, strategy in (
+        (["generate", "--drafter", "ngram", "--k", "4", "hi"], "speculative"),
+        (["generate", "--min-k", "3", "hi"], "dspark"),
+        (["generate", "--budget", "8", "hi"], "spork"),
+        (["generate", "hi"], "ar"),
+    ):
+        args = parser.parse_args(argv)
+        resolve_strategy(args, explicit_dests(generate, argv))
+        assert args.strategy == strategy, argv
+
+
+def test_an_unwritable_trace_fails_before_the_model_loads(
+    capsys: pytest.CaptureFixture[str], empty_cache: Path, tmp_path: Path
+) -> None:
+    trace = tmp_path / "no-such-folder" / "t.jsonl"
+    code, _, err = _run(capsys, ["generate", "-m", "no-such-model", "--trace", str(trace), "hi"])
+    assert code == 2 and "cannot write the trace file" in err

@@ -179,6 +179,47 @@ def _float_list(text: str) -> tuple[float, ...]:
         ) from exc
 
 
+# The flags only some strategies read (dests), and which strategy reads them.
+CHAIN_FLAGS = ("k", "k_policy")
+DSPARK_FLAGS = ("min_k", "max_k", "low", "high", "weights", "ema_rate")
+SPORK_FLAGS = ("forks", "depth", "tree", "budget", "tau", "tau_max", "target_acceptance",
+               "adapt", "recycle_persist", "recycle_prior", "lossy_typical",
+               "typical_epsilon", "typical_delta")  # fmt: skip
+DRAFTER_FLAGS = ("drafter", "self_layers", "skip_layers", "max_ngram", "min_ngram")
+
+
+def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The dests of the options that appear in `argv` (given by the user, not defaulted)."""
+    options = {s: a.dest for a in parser._actions for s in a.option_strings}
+    return {options[tok.split("=", 1)[0]] for tok in argv if tok.split("=", 1)[0] in options}
+
+
+def resolve_strategy(args: argparse.Namespace, given: set[str]) -> None:
+    """Make the strategy flags mean what they say: a drafter or draft flag without
+    --strategy turns speculation on (the strategy its flags belong to), and a flag the chosen
+    strategy does not read is an error naming the strategy that reads it."""
+    owners = {**dict.fromkeys(CHAIN_FLAGS, "speculative"), **dict.fromkeys(DSPARK_FLAGS, "dspark"),
+              **dict.fromkeys(SPORK_FLAGS, "spork")}  # fmt: skip
+    if "strategy" not in given:
+        implied = {owners[d] for d in given if d in owners}
+        if len(implied) > 1:
+            raise ConfigError(f"flags of several strategies given ({', '.join(sorted(implied))});"
+                              " choose one with --strategy")  # fmt: skip
+        if implied or given & set(DRAFTER_FLAGS):
+            args.strategy = implied.pop() if implied else "speculative"
+    for dest in sorted(given):
+        owner = owners.get(dest)
+        flag = "--" + ("no-adapt" if dest == "adapt" else dest.replace("_", "-"))
+        speculating = args.strategy != "ar"
+        if owner == "speculative" and args.strategy == "dspark" and dest == "k_policy":
+            raise ConfigError(f"{flag} is not used by --strategy dspark (it sets K itself)")
+        if owner in ("dspark", "spork") and owner != args.strategy:
+            raise ConfigError(f"{flag} is a flag of --strategy {owner}; this run uses "
+                              f"--strategy {args.strategy}")  # fmt: skip
+        if (owner or dest in DRAFTER_FLAGS) and not speculating:
+            raise ConfigError(f"{flag} needs a speculative strategy; --strategy ar drafts nothing")
+
+
 def spec_from_args(args: argparse.Namespace, expected_length: int) -> SpecConfig:
     """The SpecConfig the strategy flags describe (validated)."""
     return SpecConfig(
@@ -214,7 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--system", default=None, help="system message (chat mode)")
     gen.add_argument("--max-new-tokens", "-n", type=int, default=256)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument(
+        "--stop", action="append", default=[],
+        help="stop string (repeatable); escapes such as \\n and \\t are decoded",
+    )  # fmt: skip
+    gen.add_argument(
+        "--escape", "-e", action="store_true",
+        help="decode escapes (\\n, \\t, \\uXXXX) in the prompt and --system too",
+    )  # fmt: skip
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     gen.add_argument("--quiet", "-q", action="store_true", help="no progress or stats on stderr")
     _add_sampling_flags(gen)
@@ -243,11 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="list packaged models and what is cached")
     models.add_argument("--json", action="store_true", help="machine-readable output")
+    for command in sub.choices.values():  # `specfork generate -v` as well as `specfork -v ...`
+        command.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS,
+                             help="log what happens")  # fmt: skip
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -255,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     err = Console(stderr=True, highlight=False)
     try:
+        if hasattr(args, "strategy"):
+            sub_parser = parser._subparsers._group_actions[0].choices[args.command]
+            resolve_strategy(args, explicit_dests(sub_parser, argv))
         if args.command == "generate":
             return _generate(args, err)
         if args.command == "scan-self":
@@ -267,12 +323,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specfork.bench.cli import run_bench
 
             return run_bench(args, err)
-        if args.command in ("calibrate", "trace-plot"):
+        if args.command in ("calibrate", "trace-plot", "compile"):
             from specfork import cli_tools
 
-            run = (
-                cli_tools.run_calibrate if args.command == "calibrate" else cli_tools.run_trace_plot
-            )
+            run = {
+                "calibrate": cli_tools.run_calibrate,
+                "trace-plot": cli_tools.run_trace_plot,
+                "compile": cli_tools.run_compile,
+            }[args.command]
             return run(args, err)
         return _models(args)
     except SpecforkError as exc:
@@ -288,11 +346,32 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _read_prompt(arg: str | None) -> str:
+    """The prompt argument, or stdin without the one trailing newline `echo` adds."""
     if arg is not None and arg != "-":
         return arg
     if sys.stdin is None or sys.stdin.isatty():
         raise SpecforkError("no prompt given; pass it as an argument or pipe it on stdin")
-    return sys.stdin.read()
+    text = sys.stdin.read()
+    return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+
+
+def unescape(text: str, what: str) -> str:
+    """Decode backslash escapes (\\n, \\t, \\\\, \\uXXXX, ...) the way Python strings do."""
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {text!r} has a broken escape sequence ({exc.reason})") from exc
+
+
+def _check_writable(path: Path | None, what: str) -> None:
+    """Fail before any work when an output file cannot be written."""
+    if path is None:
+        return
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise SpecforkError(f"cannot write the {what} {path}: {exc.strerror or exc}") from exc
 
 
 def _generate(args: argparse.Namespace, err: Console) -> int:
@@ -303,13 +382,18 @@ def _generate(args: argparse.Namespace, err: Console) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, seed=args.seed,
     )  # fmt: skip
+    stops = tuple(unescape(s, "the stop string") for s in args.stop)
     config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        max_new_tokens=args.max_new_tokens, stop=stops, ignore_eos=args.ignore_eos,
         exact=args.exact,
     )  # fmt: skip
+    _check_writable(args.trace, "trace file")
     spec = spec_from_args(args, expected_length=args.max_new_tokens)
     make_policy(spec.k_policy, spec.k, spec.expected_length)  # validate before loading
     prompt = _read_prompt(args.prompt)
+    if args.escape:
+        prompt = unescape(prompt, "the prompt")
+        args.system = None if args.system is None else unescape(args.system, "--system")
     if not prompt.strip():
         raise SpecforkError("the prompt is empty; give some text to continue")
     with (
