@@ -145,6 +145,24 @@ def test_prompt_file_errors_name_the_line(tmp_path: Path, lines, where, words) -
         load_prompts(path)
 
 
+def test_prompt_files_in_three_formats(tmp_path: Path) -> None:
+    text = tmp_path / "prompts.txt"
+    text.write_text("First prompt.\n\n  Second, with {braces}.\n")
+    assert [(p.text, p.category) for p in load_prompts(text)] == [
+        ("First prompt.", "text"), ("Second, with {braces}.", "text"),
+    ]  # fmt: skip
+    simple = tmp_path / "simple.jsonl"
+    simple.write_text('{"prompt": "Hello"}\n{"prompt": "Bye", "category": "qa"}\n')
+    assert [(p.text, p.category) for p in load_prompts(simple)] == [
+        ("Hello", "uncategorized"), ("Bye", "qa"),
+    ]  # fmt: skip
+    bare = tmp_path / "prompts"  # no suffix: JSON when the first line is an object
+    bare.write_text('{"turns": ["A", "B"]}\n')
+    assert [p.text for p in load_prompts(bare)] == ["A"]
+    bare.write_text("Plain words\n")
+    assert [p.text for p in load_prompts(bare)] == ["Plain words"]
+
+
 def test_empty_or_missing_prompt_file(tmp_path: Path) -> None:
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")

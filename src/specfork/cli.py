@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         type=Path,
         default=None,
-        help="Spec-Bench JSONL file (first turns used); default: built-in prompts",
+        help='prompt file: Spec-Bench JSONL, JSONL of {"prompt": ...} or plain text '
+        "(one prompt a line); default: built-in prompts",
     )
     scan.add_argument("--max-new-tokens", "-n", type=int, default=64)  # fmt: skip
 
@@ -466,7 +467,7 @@ def _scan_self(args: argparse.Namespace, err: Console) -> int:
 
 
 def read_first_turns(path: Path) -> list[str]:
-    """First user turns of a Spec-Bench JSONL file (errors name the line)."""
+    """The prompts of a prompt file (bench.prompts: three formats; errors name the line)."""
     from specfork.bench.prompts import load_prompts
 
     return [p.text for p in load_prompts(path)]

@@ -38,7 +38,8 @@ def add_tool_parsers(sub: Any) -> None:
     _add_model_flags(cal)
     cal.add_argument(
         "--prompts", type=Path, default=None,
-        help="Spec-Bench JSONL file (first turns); default: built-in prompts",
+        help="prompt file: Spec-Bench JSONL, JSONL of {\"prompt\": ...} or plain text "
+        "(one prompt a line); default: built-in prompts",
     )  # fmt: skip
     cal.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     cal.add_argument("--fixed-k", type=int, default=4, help="the fixed draft length (default 4)")

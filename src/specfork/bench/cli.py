@@ -71,7 +71,8 @@ def add_bench_parser(subparsers: Any) -> None:
         "--prompts",
         type=Path,
         default=None,
-        help="Spec-Bench JSONL file (first turns used); default: 12 built-in prompts",
+        help='prompt file: Spec-Bench JSONL (first turns), JSONL of {"prompt": ...} or '
+        "plain text (one prompt a line); default: 12 built-in prompts",
     )
     p.add_argument("--per-category", type=int, default=None, help="first N prompts per category")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts in all")

@@ -1,8 +1,14 @@
-"""Benchmark prompts: Spec-Bench JSONL files and a small built-in set.
+"""Benchmark prompts: prompt files and a small built-in set.
 
-A Spec-Bench file has one JSON object a line: ``question_id``, ``category`` and ``turns`` (a
-list of user messages; the first one is used, through the model's chat template). Blank lines
-are skipped; any other malformed line is a PromptError that names the file and line number.
+Three formats, one prompt a line (blank lines skipped):
+- Spec-Bench JSONL: ``{"question_id": ..., "category": ..., "turns": [first user message, ...]}``
+  (the first turn is used, through the model's chat template);
+- JSONL with a ``prompt`` string instead of ``turns`` (``category`` and ``question_id``
+  optional);
+- plain text: each line is a prompt (category "text"). ``.jsonl``/``.json`` files are JSONL,
+  ``.txt`` files plain text, and a file of another name is JSONL when its first line starts
+  with ``{`` or ``[``.
+A malformed JSON line is a PromptError that names the file and line number.
 """
 
 from __future__ import annotations
@@ -34,13 +40,16 @@ def load_prompts(path: str | Path) -> list[BenchPrompt]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise PromptError(f"cannot read the prompt file {path}: {exc}") from exc
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if line.strip():
-            prompts.append(parse_line(line, f"{path}:{number}", default_id=number))
-    if not prompts:
-        raise PromptError(f"the prompt file {path} has no prompts (one JSON object a line)")
-    return prompts
+    filled = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    if not filled:
+        raise PromptError(f"the prompt file {path} has no prompts (one prompt a line)")
+    suffix = path.suffix.lower()
+    json_lines = suffix in (".jsonl", ".json") or (
+        suffix != ".txt" and filled[0][1].lstrip().startswith(("{", "["))
+    )
+    if not json_lines:
+        return [BenchPrompt(number, "text", line.strip()) for number, line in filled]
+    return [parse_line(line, f"{path}:{number}", default_id=number) for number, line in filled]
 
 
 def parse_line(line: str, where: str, default_id: int = 0) -> BenchPrompt:
@@ -50,12 +59,15 @@ def parse_line(line: str, where: str, default_id: int = 0) -> BenchPrompt:
     except ValueError as exc:
         raise PromptError(f"{where}: not valid JSON ({exc})") from exc
     if not isinstance(row, dict):
-        raise PromptError(f"{where}: expected a JSON object with 'turns', got {type(row).__name__}")
-    turns = row.get("turns")
+        raise PromptError(
+            f"{where}: expected a JSON object with 'turns' or 'prompt', got {type(row).__name__}"
+        )
+    turns = [row["prompt"]] if "prompt" in row and "turns" not in row else row.get("turns")
     if not isinstance(turns, list) or not turns:
-        raise PromptError(f"{where}: 'turns' must be a non-empty list of user messages")
+        raise PromptError(f"{where}: 'turns' must be a non-empty list of user messages "
+                          "(or give 'prompt': a string)")  # fmt: skip
     if not isinstance(turns[0], str) or not turns[0].strip():
-        raise PromptError(f"{where}: the first turn must be a non-empty string")
+        raise PromptError(f"{where}: the prompt (first turn) must be a non-empty string")
     category = row.get("category", "uncategorized")
     if not isinstance(category, str) or not category.strip():
         raise PromptError(f"{where}: 'category' must be a non-empty string")
