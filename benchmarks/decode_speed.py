@@ -9,7 +9,7 @@ Also measured: prefill tokens/s, the cost of one target forward over 1..32 new t
 verification cost curve), the fraction of the memory-bandwidth bound reached, and the peak
 resident memory of a `specfork generate` run.
 
-    python benchmarks/decode_speed.py --prompts ../shared/bench/specbench-dev.jsonl \
+    python benchmarks/decode_speed.py --prompts benchmarks/prompts/specbench-dev.jsonl \
         --n-prompts 6 --max-new-tokens 128 --repeats 3 --out bench-out/decode_speed.json
 """
 
@@ -162,7 +162,7 @@ def peak_memory_mb(model: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts", type=Path, default=Path("../shared/bench/specbench-dev.jsonl"))
+    ap.add_argument("--prompts", type=Path, default=Path("benchmarks/prompts/specbench-dev.jsonl"))
     ap.add_argument("--n-prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)

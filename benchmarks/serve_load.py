@@ -12,7 +12,7 @@ on the same prompts in the same process, run on the thread that loaded the model
 does: a server slower than the library per request (0.5x when the model ran on a second OpenMP
 pool, see specfork.model_thread) shows up there.
 
-    python benchmarks/serve_load.py --prompts ../shared/bench/specbench-dev.jsonl \
+    python benchmarks/serve_load.py --prompts benchmarks/prompts/specbench-dev.jsonl \
         --requests 16 --concurrency 4 --max-tokens 64
 """
 

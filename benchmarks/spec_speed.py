@@ -5,7 +5,7 @@ historical method set: plain decoding, n-gram k=4 (constant and heuristic), n-gr
 optionally the self drafter, and transformers' `generate` and prompt lookup (4). Everything
 (interleaving, medians, near-tie greedy matches, the report and plots) is `specfork.bench`.
 
-    python benchmarks/spec_speed.py --prompts ../shared/bench/specbench-dev.jsonl \
+    python benchmarks/spec_speed.py --prompts benchmarks/prompts/specbench-dev.jsonl \
         --per-category 2 --max-new-tokens 128 --out bench-out/spec_speed
 
 `--out` is a folder (results.json, report.md, PNG plots); a path ending in .json also gets a
@@ -36,7 +36,7 @@ HF_METHODS = ["hf:ar", "hf:prompt-lookup?k=4"]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts", type=Path, default=Path("../shared/bench/specbench-dev.jsonl"))
+    ap.add_argument("--prompts", type=Path, default=Path("benchmarks/prompts/specbench-dev.jsonl"))
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)

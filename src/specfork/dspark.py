@@ -97,6 +97,9 @@ class DSparkPolicy:
             "confidence": round(conf.value, 4),
             "next_k": k,
             "first_rejection_rate": round(self.first_rejection_rate, 4),
+            "low": self.spec.low,  # the thresholds C is mapped from (for plots)
+            "high": self.spec.high,
+            "min_k": self.spec.min_k,
         }
         note = " (first token rejected)" if first_rejected else ""
         log.info(

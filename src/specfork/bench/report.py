@@ -222,25 +222,34 @@ def write_plots(doc: Mapping[str, Any], out: Path) -> list[Path]:
 
 
 def _plot_speedup(doc: Mapping[str, Any], out: Path) -> Path | None:
+    """Strategies × categories as a labelled heatmap (green faster, red slower than ar)."""
     import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
 
     labels = [s["label"] for s in _rows(doc) if s["label"] != doc["reference"]]
     if not labels:
         return None
-    cats = [*doc["categories"], OVERALL]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(cats) * max(1, len(labels)) ** 0.5), 4.2))
-    width = 0.8 / len(labels)
-    for i, label in enumerate(labels):
-        values = [doc["summary"][label][c].get("speedup") for c in cats]
-        ys = [v if v is not None else math.nan for v in values]
-        xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(cats))]
-        ax.bar(xs, ys, width, label=label)
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    cats = list(doc["categories"])
+    cats += [OVERALL] if len(cats) > 1 else []  # one category: "overall" would repeat it
+    grid = [[_value(doc["summary"][label][c].get("speedup")) for c in cats] for label in labels]
+    finite = [v for row in grid for v in row if not math.isnan(v)] or [1.0]
+    low, high = min(min(finite), 0.99), max(max(finite), 1.01)
+    width = 2.5 + 0.75 * len(cats) + 0.06 * max(len(x) for x in labels)
+    fig, ax = plt.subplots(figsize=(min(width, 16.0), 1.2 + 0.42 * len(labels)))
+    image = ax.imshow(grid, cmap="RdYlGn", norm=TwoSlopeNorm(1.0, low, high), aspect="auto")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            text = "n/a" if math.isnan(v) else f"{v:.2f}×"
+            ax.text(j, i, text, ha="center", va="center", fontsize="small")
     ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
-    ax.set_ylabel(f"speedup over {doc['reference']} (decode tok/s)")
-    ax.set_title("Speedup by category (median of per-prompt speedups)")
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_yticks(range(len(labels)), labels, fontsize="small")
+    ax.set_title(f"Speedup over {doc['reference']} (median of per-prompt decode tok/s ratios)")
+    fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02)
     return _save(fig, out / PLOT_FILES["speedup"])
+
+
+def _value(x: Any) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
 
 
 def _plot_acceptance(doc: Mapping[str, Any], out: Path) -> Path | None:
@@ -268,15 +277,17 @@ def _plot_acceptance(doc: Mapping[str, Any], out: Path) -> Path | None:
             ]
     if not curves:
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for label, ys in curves.items():
-        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=label)
+    fig, ax = plt.subplots(figsize=(8.0, 4.2))
+    markers = "osD^v<>pX*h"
+    for n, (label, ys) in enumerate(curves.items()):
+        ax.plot(range(1, len(ys) + 1), ys, marker=markers[n % len(markers)],
+                color=plt.get_cmap("tab20")(n % 20), label=label)  # fmt: skip
     ax.set_xlabel("draft position")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("acceptance rate (all runs)")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by draft position")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, out / PLOT_FILES["acceptance"])
 
 
@@ -318,7 +329,8 @@ def _plot_forks(doc: Mapping[str, Any], out: Path) -> Path | None:
         names = sorted(counts, key=_fork_sort_key)
         ax.bar(names, [counts[n] for n in names])
         ax.set_title(label, fontsize="small")
-        ax.set_xlabel("winning fork")
+        ax.set_xlabel("winning fork (none: no drafted token was right,\nthe round emitted the "
+                      "target's own token)", fontsize="small")  # fmt: skip
         ax.set_ylabel("rounds (first repeat)")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(axis="x", rotation=30)
