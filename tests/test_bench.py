@@ -349,7 +349,7 @@ def test_bench_end_to_end(tiny_folder: Path, tmp_path: Path, capsys) -> None:
     argv = ["--model", str(tiny_folder), "--dtype", "float32", "--device", "cpu",
             "--prompts", str(prompts), "--per-category", "1", "-n", "8", "--ignore-eos",
             "--repeats", "2", "--out", str(out), "--quiet", "--strategies",
-            "speculative:ngram?k=3,speculative:self?self_layers=0-1&k=2,hf:ar,"
+            "speculative:ngram?k=3,speculative:self?self_layers=0-1&k=2&goodput=false,hf:ar,"
             "hf:prompt-lookup?k=3,hf:assisted?k=2"]  # fmt: skip
     code = run_bench(_args(*argv), Console(stderr=True, width=200))
     stdout = capsys.readouterr().out
@@ -362,8 +362,8 @@ def test_bench_end_to_end(tiny_folder: Path, tmp_path: Path, capsys) -> None:
     assert doc["schema"] == "specfork-bench/1" and doc["reference"] == "ar"
     assert set(doc["machine"]) >= {"cpu", "threads", "torch", "dtype", "specfork", "command"}
     assert doc["machine"]["dtype"] == "float32"
-    labels = ["ar", "speculative:ngram?k=3", "speculative:self?self_layers=0-1&k=2", "hf:ar",
-              "hf:prompt-lookup?k=3", "hf:assisted?k=2"]  # fmt: skip
+    labels = ["ar", "speculative:ngram?k=3", "speculative:self?self_layers=0-1&k=2&goodput=false",
+              "hf:ar", "hf:prompt-lookup?k=3", "hf:assisted?k=2"]  # fmt: skip
     assert [s["label"] for s in doc["strategies"]] == labels
     assert all(s["status"] == "ok" for s in doc["strategies"]), doc["strategies"]
     assert any("added" in n for n in doc["notes"])

@@ -14,6 +14,7 @@ DSPARK_FIELDS = {
     *("round", "position", "k", "drafted", "accepted", "emitted", "first_rejected"),
     *("top1", "margin", "ema", "confidence", "next_k", "first_rejection_rate"),
     "proposed",  # the draft before the goodput gate shortened it
+    *("low", "high", "min_k"),  # the policy's settings, for plots
 }
 
 

@@ -138,6 +138,7 @@ def test_trace_has_the_documented_fields() -> None:
     pol = _policy()
     pol.update(_info(2, 1, _logits(0.8, 0.1, rows=3)))
     fields = {"top1", "margin", "ema", "confidence", "next_k", "first_rejection_rate"}
+    fields |= {"low", "high", "min_k"}  # the settings C and K are mapped with, for plots
     assert set(pol.trace()) == fields
 
 
