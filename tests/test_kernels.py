@@ -124,21 +124,32 @@ def test_thread_count_does_not_change_results(which: T | Kind) -> None:
 
 
 GENERIC_SCRIPT = """
-import sys, torch
+import os, sys, torch
 from specfork.kernels import load_kernels
 K = load_kernels()
-assert K.isa() == "generic", K.isa()
+assert K.isa() == os.environ["SPECFORK_ISA"], K.isa()
 data = torch.load(sys.argv[1])
 outs = [K.packed_linear(K.Packed(kind, n, k, blob), x) for kind, n, k, blob, x in data]
 torch.save(outs, sys.argv[2])
 """
 
 
-def test_generic_code_computes_the_same_integer_and_fp32_products(tmp_path) -> None:
-    """The portable C++ path (CPUs without AVX-512) and the AVX-512 path agree bitwise for the
-    quantized and fp32 kinds: the integer sums are exact and the float steps are the same."""
-    if K.isa() == "generic":
-        pytest.skip("this CPU runs the generic code already")
+def _cpu_has(flag: str) -> bool:
+    try:
+        return f" {flag}" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2"])
+def test_lower_isas_compute_the_same_integer_and_fp32_products(tmp_path, isa: str) -> None:
+    """The portable C++ path and the AVX2 path (CPUs without AVX-512) agree bitwise with the
+    AVX-512 path for the quantized and fp32 kinds: the integer block sums are exact and the
+    float steps are the same."""
+    if not K.isa().startswith("avx512"):
+        pytest.skip("the reference is the AVX-512 path; this CPU lacks it")
+    if isa == "avx2" and not _cpu_has("avx2"):
+        pytest.skip("no AVX2 here")
     cases, expected = [], []
     blobs = [gguf_blob(qtype, 40, 96)[:2] for qtype in GGUF_TYPES]
     blobs.append((int(Kind.F32), pack_float(torch.randn(40, 96), Kind.F32)))
@@ -147,7 +158,7 @@ def test_generic_code_computes_the_same_integer_and_fp32_products(tmp_path) -> N
         cases.append((kind, 40, 96, blob, x))
         expected.append(K.packed_linear(K.Packed(kind, 40, 96, blob), x))
     torch.save(cases, tmp_path / "in.pt")
-    env = {**os.environ, "SPECFORK_ISA": "generic"}
+    env = {**os.environ, "SPECFORK_ISA": isa}
     subprocess.run([sys.executable, "-c", GENERIC_SCRIPT, str(tmp_path / "in.pt"),
                     str(tmp_path / "out.pt")], env=env, check=True, timeout=600)  # fmt: skip
     for got, want in zip(torch.load(tmp_path / "out.pt"), expected, strict=True):
@@ -172,3 +183,33 @@ def test_q4_layout_matches_the_documented_nibble_order() -> None:
     assert data[64 * 1 + 4 * 3 + 1] == 9 << 4 and int(data[:256].sum()) == 9 << 4
     q8 = pack_q8(torch.zeros(16, 32, dtype=torch.int8), ones)
     assert bool((q8[:512] == 128).all())
+
+
+AVX2_MODEL_SCRIPT = """
+import sys, torch
+from specfork.loading.loader import load_model
+loaded = load_model("smollm2-135m-instruct", kernels=True, progress=False)
+assert loaded.model.kernels.isa() == "avx2", loaded.model.kernels.isa()
+m = loaded.model
+ids = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+chain = list(range(500, 508))
+cache = m.new_cache(len(ids) + 16)
+with torch.inference_mode():
+    m.extend(ids, cache)
+    steps = torch.stack([m.extend([t], cache) for t in chain])
+    cache.truncate(len(ids))
+    block = m.extend(chain, cache, last_only=False)
+torch.save({"steps": steps, "block": block}, sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_the_avx2_path_is_batch_invariant_on_the_real_model(tmp_path) -> None:
+    if not _cpu_has("avx2"):
+        pytest.skip("no AVX2 here")
+    out = tmp_path / "avx2.pt"
+    env = {**os.environ, "SPECFORK_ISA": "avx2"}
+    subprocess.run([sys.executable, "-c", AVX2_MODEL_SCRIPT, str(out)], env=env, check=True,
+                   timeout=900)  # fmt: skip
+    got = torch.load(out)
+    assert torch.equal(got["steps"], got["block"])  # 8 one-row steps == one 8-row forward

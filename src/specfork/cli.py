@@ -114,6 +114,9 @@ def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-layers", default=None, help="self drafter: layers it skips, e.g. 10-19")
     g.add_argument("--max-ngram", type=int, default=3, help="ngram drafter: longest n tried")
     g.add_argument("--min-ngram", type=int, default=1, help="ngram drafter: shortest n tried")
+    g.add_argument("--no-goodput", dest="goodput", action="store_false",
+                   help="verify every draft as drafted (default: only the part expected to pay "
+                        "for its verification rows)")  # fmt: skip
     _add_dspark_flags(p)
     _add_spork_flags(p)
 
@@ -185,7 +188,7 @@ DSPARK_FLAGS = ("min_k", "max_k", "low", "high", "weights", "ema_rate")
 SPORK_FLAGS = ("forks", "depth", "tree", "budget", "tau", "tau_max", "target_acceptance",
                "adapt", "recycle_persist", "recycle_prior", "lossy_typical",
                "typical_epsilon", "typical_delta")  # fmt: skip
-DRAFTER_FLAGS = ("drafter", "self_layers", "skip_layers", "max_ngram", "min_ngram")
+DRAFTER_FLAGS = ("drafter", "self_layers", "skip_layers", "max_ngram", "min_ngram", "goodput")
 
 
 def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
@@ -209,7 +212,8 @@ def resolve_strategy(args: argparse.Namespace, given: set[str]) -> None:
             args.strategy = implied.pop() if implied else "speculative"
     for dest in sorted(given):
         owner = owners.get(dest)
-        flag = "--" + ("no-adapt" if dest == "adapt" else dest.replace("_", "-"))
+        negative = {"adapt": "no-adapt", "goodput": "no-goodput"}
+        flag = "--" + negative.get(dest, dest.replace("_", "-"))
         speculating = args.strategy != "ar"
         if owner == "speculative" and args.strategy == "dspark" and dest == "k_policy":
             raise ConfigError(f"{flag} is not used by --strategy dspark (it sets K itself)")
@@ -232,7 +236,7 @@ def spec_from_args(args: argparse.Namespace, expected_length: int) -> SpecConfig
         tau_max=args.tau_max, target_acceptance=args.target_acceptance, adapt=args.adapt,
         recycle_persist=args.recycle_persist, recycle_prior=args.recycle_prior,
         lossy_typical=args.lossy_typical, typical_epsilon=args.typical_epsilon,
-        typical_delta=args.typical_delta,
+        typical_delta=args.typical_delta, goodput=args.goodput,
     )  # fmt: skip
 
 

@@ -153,6 +153,58 @@ SF_AVX512 Partial chunk_avx512(const float* q, const float* K, const float* V, i
   return {mx, _mm512_reduce_add_ps(sums)};
 }
 
+SF_AVX2 void gather_avx2(const void* base, CacheType type, int64_t head_base, const int32_t* slots,
+                         int64_t n, int64_t D, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t at = head_base + static_cast<int64_t>(slots[j]) * D;
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 x;
+      if (type == CacheType::F32) {
+        x = _mm256_loadu_ps(static_cast<const float*>(base) + at + d);
+      } else {
+        const __m128i h = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + at + d));
+        x = type == CacheType::F16 ? _mm256_cvtph_ps(h)
+                                   : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      }
+      _mm256_storeu_ps(out + j * D + d, x);
+    }
+  }
+}
+
+SF_AVX2 Partial chunk_avx2(const float* q, const float* K, const float* V, int64_t n, int64_t D,
+                           float scale, float* e, float* o) {
+  const int64_t vecs = D / 8;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = K + j * D;
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+    for (int64_t c = 1; c < vecs; ++c)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
+    e[j] = hsum256(acc) * scale;
+    top = std::max(top, e[j]);
+  }
+  const __m256 m = _mm256_set1_ps(top);
+  __m256 sums = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = exp256(_mm256_sub_ps(_mm256_loadu_ps(e + j), m));
+    _mm256_storeu_ps(e + j, x);
+    sums = _mm256_add_ps(sums, x);
+  }
+  float tail = 0.f;
+  for (; j < n; ++j) {
+    e[j] = std::exp(e[j] - top);
+    tail += e[j];
+  }
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(e[i]), _mm256_loadu_ps(V + i * D + d), acc);
+    _mm256_storeu_ps(o + d, acc);
+  }
+  return {top, hsum256(sums) + tail};
+}
+
 // Merge the chunk partials of one (row, head) in chunk order: out = o / l.
 void merge(const float* ms, const float* ls, const float* os, int64_t chunks, int64_t D,
            float* out) {
@@ -218,6 +270,7 @@ void attention(const float* q, int64_t ldq, const KVView& kv, const AttnPlan& pl
                const AttnShape& s, float* out) {
   const int64_t group = s.heads / s.heads_kv, D = s.head_dim, C = plan.max_chunks;
   const bool vec = isa_level() == kAvx512 && D % 16 == 0 && D <= 256;
+  const bool avx2 = !vec && isa_level() >= kAvx2 && D % 8 == 0;
   // partials [rows, heads, chunks]: max, sum, weighted values [D]
   std::vector<float> pm(s.rows * s.heads * C), pl(s.rows * s.heads * C);
   std::vector<float> po(s.rows * s.heads * C * D);
@@ -244,7 +297,8 @@ void attention(const float* q, int64_t ldq, const KVView& kv, const AttnPlan& pl
         const Item& it = items[i];
         const ChunkTask& t = plan.tasks[it.task];
         const int32_t* slots = plan.vis.idx.data() + t.first;
-        auto fetch = vec ? gather_avx512 : gather;
+        auto fetch = vec ? gather_avx512 : avx2 ? gather_avx2 : gather;
+        auto chunk = vec ? chunk_avx512 : avx2 ? chunk_avx2 : chunk_generic;
         fetch(kv.k, kv.type, it.g * kv.slots * D, slots, t.n, D, w.K.data());
         fetch(kv.v, kv.type, it.g * kv.slots * D, slots, t.n, D, w.V.data());
         for (int32_t k = it.row0; k < it.row0 + it.rows; ++k) {
@@ -252,8 +306,7 @@ void attention(const float* q, int64_t ldq, const KVView& kv, const AttnPlan& pl
           for (int64_t h = it.g * group; h < (it.g + 1) * group; ++h) {
             const int64_t at = (r * s.heads + h) * C + t.chunk;
             const float* qh = q + r * ldq + h * D;
-            const Partial p = vec ? chunk_avx512(qh, w.K.data(), w.V.data(), t.n, D, s.scale, w.e.data(), &po[at * D])
-                                  : chunk_generic(qh, w.K.data(), w.V.data(), t.n, D, s.scale, w.e.data(), &po[at * D]);
+            const Partial p = chunk(qh, w.K.data(), w.V.data(), t.n, D, s.scale, w.e.data(), &po[at * D]);
             pm[at] = p.m;
             pl[at] = p.l;
           }

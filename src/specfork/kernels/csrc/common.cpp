@@ -9,6 +9,9 @@ static int detect_isa() {
   int level = kGeneric;
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    level = kAvx2;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") &&
@@ -17,6 +20,7 @@ static int detect_isa() {
 #endif
   const char* env = std::getenv("SPECFORK_ISA");
   if (env != nullptr && std::string(env) == "generic") level = kGeneric;
+  if (env != nullptr && std::string(env) == "avx2" && level > kAvx2) level = kAvx2;
   return level;
 }
 
@@ -36,6 +40,7 @@ bool has_avx512bf16() {
 
 const char* isa_name() {
   if (isa_level() == kAvx512) return has_avx512bf16() ? "avx512-vnni-bf16" : "avx512-vnni";
+  if (isa_level() == kAvx2) return "avx2";
   return "generic";
 }
 

@@ -17,15 +17,16 @@
 #include <ATen/Parallel.h>
 
 #define SF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
+#define SF_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define SF_AVX512BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,f16c,fma")))
 
 namespace sf {
 
-// Instruction-set levels, chosen once per process (SPECFORK_ISA may lower it, for tests).
-enum Isa : int { kGeneric = 0, kAvx512 = 2 };
+// Instruction-set levels, chosen once per process (SPECFORK_ISA=avx2|generic may lower it).
+enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
 
-int isa_level();        // kGeneric or kAvx512
+int isa_level();        // kGeneric, kAvx2 or kAvx512
 bool has_avx512bf16();  // native bf16 dot products (vdpbf16ps)
 const char* isa_name();
 

@@ -76,8 +76,37 @@ SF_AVX512 static void to_bf16_avx512(const float* x, uint16_t* out, int64_t n) {
   for (; i < n; ++i) out[i] = f32_to_bf16(x[i]);
 }
 
+// The same arithmetic as quantize_block, 8 inputs at a time (bitwise the same results).
+SF_AVX2 static void quantize_block_avx2(const float* x, int8_t* q, float* d, float* ds,
+                                        int32_t* s) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 top = _mm256_setzero_ps();
+  for (int i = 0; i < kBlock; i += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float scale = _mm_cvtss_f32(m) / 127.f;
+  const __m256 inv = _mm256_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+  alignas(32) int32_t codes[kBlock];
+  for (int i = 0; i < kBlock; i += 8) {
+    __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_max_ps(_mm256_min_ps(v, _mm256_set1_ps(127.f)), _mm256_set1_ps(-127.f));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes + i), _mm256_cvtps_epi32(v));
+  }
+  int32_t sum = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    q[i] = static_cast<int8_t>(codes[i]);
+    sum += codes[i];
+  }
+  *d = scale;
+  *s = sum;
+  *ds = scale * static_cast<float>(sum);
+}
+
 void Activations::need(Kind kind) {
   const bool vec = isa_level() == kAvx512;
+  const bool avx2 = isa_level() == kAvx2;
   if ((kind == Kind::Q4 || kind == Kind::Q8) && !have_q_) {
     const int64_t nb = k / kBlock;
     q.resize(rows * k);
@@ -91,6 +120,8 @@ void Activations::need(Kind kind) {
           const int64_t at = r * nb + b;
           if (vec)
             quantize_block_avx512(in, &q[r * k + b * kBlock], &d[at], &ds[at], &s[at]);
+          else if (avx2)
+            quantize_block_avx2(in, &q[r * k + b * kBlock], &d[at], &ds[at], &s[at]);
           else
             quantize_block(in, &q[r * k + b * kBlock], &d[at], &ds[at], &s[at]);
         }
@@ -315,6 +346,82 @@ SF_AVX512BF16 static void tiles_avx512(const PackedLinear& w, const Activations&
   }
 }
 
+// -- AVX2 kernels: 8 output columns at a time (a tile's two halves). The integer block sums
+// (maddubs + madd, exact: no pair of products saturates int16) and the float steps equal the
+// AVX-512 path's, so Q4, Q8 and F32 give the same bits on both.
+
+SF_AVX2 static inline __m256i dot4_avx2(__m256i w_u8, int32_t x4, __m256i ones) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w_u8, _mm256_set1_epi32(x4)), ones);
+}
+
+SF_AVX2 static __m256 half_avx2(const PackedLinear& w, const Activations& a, const uint8_t* wt,
+                                int64_t nb, int64_t row, int half) {
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = wt + b * block_bytes(w.kind);
+    if (w.kind == Kind::F32) {
+      const float* wv = reinterpret_cast<const float*>(p) + 8 * half;
+      const float* x = a.x + row * a.ld + b * kBlock;
+      for (int i = 0; i < kBlock; ++i) acc = _mm256_fmadd_ps(_mm256_loadu_ps(wv + 16 * i), _mm256_set1_ps(x[i]), acc);
+      continue;
+    }
+    if (w.kind == Kind::BF16) {
+      const uint16_t* wv = reinterpret_cast<const uint16_t*>(p);
+      const uint16_t* xb = &a.bf[row * a.k + b * kBlock];
+      for (int pr = 0; pr < kBlock / 2; ++pr) {
+        const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wv + 32 * pr + 16 * half));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pair, _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+        acc = _mm256_fmadd_ps(odd, _mm256_set1_ps(bf16_to_f32(xb[2 * pr + 1])), acc);
+        acc = _mm256_fmadd_ps(even, _mm256_set1_ps(bf16_to_f32(xb[2 * pr])), acc);
+      }
+      continue;
+    }
+    const int32_t* x4 = reinterpret_cast<const int32_t*>(&a.q[row * a.k + b * kBlock]);
+    __m256i s = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      __m256i v;
+      if (w.kind == Kind::Q4) {
+        v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * (g / 2) + 32 * half));
+        v = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+        s = _mm256_add_epi32(s, dot4_avx2(v, x4[g], ones));
+      } else {  // Q8: codes + 128; |code| times sign-adjusted activations
+        v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * g + 32 * half)),
+                             _mm256_set1_epi8(static_cast<char>(0x80)));
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(x4[g]), v);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v), xs), ones));
+      }
+    }
+    const int64_t at = row * nb + b;
+    const int64_t scales = w.kind == Kind::Q4 ? 256 : 512;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + scales + 16 * half)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(a.d[at])), acc);
+    if (w.kind == Kind::Q4) {
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 288 + 16 * half)));
+      acc = _mm256_fmadd_ps(m, _mm256_set1_ps(a.ds[at]), acc);
+    }
+  }
+  return acc;
+}
+
+SF_AVX2 static void tiles_avx2(const PackedLinear& w, const Activations& a, int64_t t0,
+                               int64_t t1, float* y, int64_t ldy) {
+  const int64_t nb = w.k / kBlock;
+  alignas(32) float out[8];
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = w.data + t * nb * block_bytes(w.kind);
+    for (int64_t r = 0; r < a.rows; ++r)
+      for (int half = 0; half < 2; ++half) {
+        _mm256_store_ps(out, half_avx2(w, a, wt, nb, r, half));
+        for (int c = 0; c < 8; ++c) {
+          const int64_t col = t * kTile + 8 * half + c;
+          if (col < w.n) y[r * ldy + col] = out[c] + (w.bias ? w.bias[col] : 0.f);
+        }
+      }
+  }
+}
+
 static void tiles_generic(const PackedLinear& w, const Activations& a, int64_t t0, int64_t t1,
                           float* y, int64_t ldy) {
   float acc[kTile];
@@ -330,10 +437,12 @@ void linear(const PackedLinear& w, Activations& a, float* y, int64_t ldy) {
   if (w.k != a.k) throw std::invalid_argument("linear: input size does not match the weight");
   a.need(w.kind);
   const int64_t tiles = (w.n + kTile - 1) / kTile;
-  const bool vec = isa_level() == kAvx512;
+  const int isa = isa_level();
   parallel(tiles, [&](int64_t t0, int64_t t1) {
-    if (vec)
+    if (isa == kAvx512)
       tiles_avx512(w, a, t0, t1, y, ldy);
+    else if (isa == kAvx2)
+      tiles_avx2(w, a, t0, t1, y, ldy);
     else
       tiles_generic(w, a, t0, t1, y, ldy);
   });

@@ -103,8 +103,35 @@ SF_AVX512 void rmsnorm_avx512(const float* x, const float* w, int64_t n, float e
   for (; i < n; ++i) y[i] = x[i] * inv * w[i];
 }
 
+SF_AVX2 void rmsnorm_avx2(const float* x, const float* w, int64_t n, float eps, float* y) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float ss = hsum256(acc);
+  for (; i < n; ++i) ss = std::fma(x[i], x[i], ss);
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  const __m256 s = _mm256_set1_ps(inv);
+  for (i = 0; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), _mm256_loadu_ps(w + i)));
+  for (; i < n; ++i) y[i] = x[i] * inv * w[i];
+}
+
+SF_AVX2 void act_avx2(const float* gate, const float* up, int64_t n, bool gelu, float* y) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 a = gelu ? gelu_tanh256(g) : silu256(g);
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(a, _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) y[i] = (gelu ? gelu_tanh1(gate[i]) : silu1(gate[i])) * up[i];
+}
+
 void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* y) {
   if (isa_level() == kAvx512) return rmsnorm_avx512(x, w, n, eps, y);
+  if (isa_level() == kAvx2) return rmsnorm_avx2(x, w, n, eps, y);
   float ss = 0.f;
   for (int64_t i = 0; i < n; ++i) ss = std::fma(x[i], x[i], ss);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
@@ -128,6 +155,7 @@ SF_AVX512 void act_avx512(const float* gate, const float* up, int64_t n, bool ge
 
 void activation(const float* gate, const float* up, int64_t n, bool gelu, float* y) {
   if (isa_level() == kAvx512) return act_avx512(gate, up, n, gelu, y);
+  if (isa_level() == kAvx2) return act_avx2(gate, up, n, gelu, y);
   for (int64_t i = 0; i < n; ++i) y[i] = (gelu ? gelu_tanh1(gate[i]) : silu1(gate[i])) * up[i];
 }
 
