@@ -29,8 +29,9 @@ def test_bad_spork_flags_fail_before_loading(capsys, flags: list[str], words: st
 
 
 def test_lossy_gate_needs_spork(capsys) -> None:
-    code, _, err = _run(capsys, ["generate", "-m", "x", "--lossy-typical", "hi"])
-    assert code == 2 and "SPORK option" in err
+    argv = ["generate", "-m", "x", "--strategy", "speculative", "--lossy-typical", "hi"]
+    code, _, err = _run(capsys, argv)
+    assert code == 2 and "--strategy spork" in err  # named before any model is looked up
 
 
 @pytest.mark.slow

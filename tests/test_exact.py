@@ -14,6 +14,7 @@ import torch
 
 from specfork.config import GenerationConfig, SpecConfig
 from specfork.engine import Generator
+from specfork.goodput import CostCurve
 from specfork.kernels import load_kernels
 from specfork.loading.loader import LoadedModel, load_model
 
@@ -38,6 +39,8 @@ STRATEGIES = {
     "spork-self-dynamic": SpecConfig("spork", "recycle+self", skip_layers="10-19", tree="dynamic"),
 }
 N = 48
+# a CPU-like cost curve (fixed, so what the goodput gate drafts does not depend on timing)
+CURVE = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.25, 1.5, 2.3, 3.9, 6.8))
 
 
 @pytest.fixture(scope="module", params=PRECISIONS)
@@ -103,7 +106,7 @@ def plain_runs(loaded: LoadedModel) -> list:
 def test_every_strategy_reproduces_plain_decoding(
     loaded: LoadedModel, plain_runs: list, name: str
 ) -> None:
-    gen = Generator(loaded, spec=STRATEGIES[name])
+    gen = Generator(loaded, spec=STRATEGIES[name], cost_curve=CURVE)
     config = GenerationConfig(max_new_tokens=N, ignore_eos=True)
     drafted = 0
     for prompt, plain in zip(PROMPTS, plain_runs, strict=True):

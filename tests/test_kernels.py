@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -213,3 +214,55 @@ def test_the_avx2_path_is_batch_invariant_on_the_real_model(tmp_path) -> None:
                    timeout=900)  # fmt: skip
     got = torch.load(out)
     assert torch.equal(got["steps"], got["block"])  # 8 one-row steps == one 8-row forward
+
+
+# -- building and caching the kernels (kernels/build.py), without compiling anything ----------
+
+
+def test_the_artifact_key_covers_cpu_torch_and_compiler(monkeypatch) -> None:
+    from specfork.kernels import build
+
+    cxx = build.compiler() or "c++"
+    key = build.artifact_key(cxx)
+    assert key == build.artifact_key(cxx)
+    monkeypatch.setattr(build, "cpu_flags", lambda: ("x86_64", "avx2"))  # another CPU
+    assert build.artifact_key(cxx) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "9.9.9")  # another torch
+    assert build.artifact_key(cxx) != key
+
+
+def test_a_cached_library_is_checked_before_it_is_loaded(tmp_path) -> None:
+    from specfork.kernels import build
+
+    library = tmp_path / "lib.so"
+    library.write_bytes(b"\x7fELF not really")
+    assert not build._intact(tmp_path, library)  # no marker: an interrupted build
+    (tmp_path / build.READY).write_text(build._sha256(library))
+    assert build._intact(tmp_path, library)
+    library.write_bytes(b"\x7fELF changed")  # corrupted after the build
+    assert not build._intact(tmp_path, library)
+
+
+def test_without_a_compiler_the_reason_is_given(monkeypatch) -> None:
+    from specfork.kernels import build
+
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    with pytest.raises(build.KernelsUnavailable, match="no C\\+\\+ compiler"):
+        build._load_or_build()
+
+
+def test_a_failed_build_leaves_nothing_behind(monkeypatch, tmp_path) -> None:
+    from torch.utils import cpp_extension
+
+    from specfork.kernels import build
+
+    def broken(**kwargs):
+        (Path(kwargs["build_directory"]) / "half-written.o").write_bytes(b"")
+        raise RuntimeError("error: compiler died")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    folder = tmp_path / "kernels" / "somekey"
+    with pytest.raises(build.KernelsUnavailable, match="compiler died"):
+        build._build("specfork_kernels_test", folder, "c++")
+    assert not folder.exists() and list((tmp_path / "kernels").iterdir()) == []

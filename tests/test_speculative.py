@@ -37,6 +37,7 @@ from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Draft
 from specfork.drafters.model import ModelDrafter
 from specfork.engine import GenerationResult, Generator
+from specfork.goodput import CostCurve
 from specfork.loading.loader import LoadedModel
 from specfork.loading.registry import DEFAULT_MODEL
 
@@ -99,6 +100,9 @@ def _ungated(strategy: str, drafter: str, **kwargs) -> SpecConfig:
 
 
 DRAFT_MODEL = f"model:{DEFAULT_MODEL}"  # the target itself as a separate draft model
+# a CPU-like cost curve for the gated configurations (fixed: their draft lengths then do not
+# depend on how fast this machine happens to be)
+CURVE = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.25, 1.5, 2.3, 3.9, 6.8))
 
 # name -> (spec, prompts). n-gram with constant K and the draft model run on every prompt. The
 # other configurations run on fewer prompts to keep the file within a few minutes on two cores:
@@ -178,7 +182,7 @@ def spec_gen(smollm_f32: LoadedModel) -> Iterator[Callable[[str], Generator]]:
 
     def get(name: str) -> Generator:
         if name not in made:
-            made[name] = Generator(smollm_f32, spec=EXACT_PLAN[name][0])
+            made[name] = Generator(smollm_f32, spec=EXACT_PLAN[name][0], cost_curve=CURVE)
         return made[name]
 
     yield get

@@ -80,8 +80,9 @@ class Generator:
 
     The strategy comes from `spec`; a custom `drafter` (any object following the Drafter
     protocol) and/or `policy` replace the ones `spec` would build. `cost_curve` is what the
-    goodput gate assumes a forward of R rows costs (default: measured on the model at the
-    first request that needs it); a fixed curve makes draft lengths reproducible.
+    goodput gate assumes a forward of R rows costs (default: `model.cost_curve()`, measured
+    once per model at the first request that needs it); a fixed curve makes draft lengths
+    reproducible across processes.
     """
 
     def __init__(
@@ -117,7 +118,7 @@ class Generator:
         )
         self._cache: KVCache | None = None
         self._warned_thread = False
-        self._cost_curve = cost_curve  # measured on first use when None (goodput.py)
+        self._cost_curve = cost_curve  # None: the model's own, measured once (goodput.py)
         self._gate: GoodputGate | TreeGate | None = None  # the running request's, if it has one
 
     # -- prompts ------------------------------------------------------------------------------
@@ -268,7 +269,8 @@ class Generator:
             return self._tree_round(history, max_draft, cache, sampling, rng, stats)
         proposed, k = self._draft(history, max_draft, sampling, rng)
         draft = proposed
-        if isinstance(self._gate, GoodputGate) and len(proposed):
+        free = getattr(self.drafter, "cost", 0.0) == 0  # a model drafter's tokens were capped
+        if isinstance(self._gate, GoodputGate) and free and len(proposed):  # before drafting
             draft = proposed.head(self._gate.length(proposed.source, len(proposed)))
         start = cache.length
         t0 = time.perf_counter()
@@ -383,13 +385,8 @@ class Generator:
         """A fresh goodput gate for a strategy that asks for one (goodput.py)."""
         if not (self.spec.goodput and self.drafter is not None):
             return None
-        if self._cost_curve is None:
-            self._cost_curve = CostCurve.measure(self.model)
-            log.info("forward cost by rows: %s", dict(zip(self._cost_curve.rows,
-                     (round(c, 2) for c in self._cost_curve.cost), strict=True)))  # fmt: skip
-        if self.spec.strategy == "spork":
-            return TreeGate(self._cost_curve)
-        return GoodputGate(self._cost_curve)
+        cost = self._cost_curve or self.model.cost_curve()  # measured once per model
+        return TreeGate(cost) if self.spec.strategy == "spork" else GoodputGate(cost)
 
     def _cache_for(self, length: int) -> KVCache:
         """A cache of at least `length` slots, reused across requests when big enough."""

@@ -9,6 +9,7 @@ cached prefix (within the sliding window on sliding layers).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import ClassVar
@@ -18,13 +19,26 @@ from torch import nn
 
 from specfork.cache import KVCache
 from specfork.config import ModelConfig
+from specfork.goodput import CostCurve
 from specfork.models.layers import Linear, RMSNorm, Rotary
+
+log = logging.getLogger(__name__)
 
 
 class Steps:
-    """What every model builds on its forward: appending a chain of tokens to a cache."""
+    """What every model builds on its forward: appending a chain of tokens to a cache, and
+    the cost of a forward by rows (measured once per model, for the goodput gate)."""
 
     config: ModelConfig
+    _cost: CostCurve | None = None
+
+    def cost_curve(self) -> CostCurve:
+        """What a forward of R rows costs relative to one row, measured on first use."""
+        if self._cost is None:
+            self._cost = CostCurve.measure(self)
+            rows = dict(zip(self._cost.rows, (round(c, 2) for c in self._cost.cost), strict=True))
+            log.info("forward cost by rows (in one-row forwards): %s", rows)
+        return self._cost
 
     def extend(
         self,

@@ -1,7 +1,5 @@
 #include "attention.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -46,6 +44,7 @@ void gather(const void* base, CacheType type, int64_t head_base, const int32_t* 
   }
 }
 
+#if SF_X86
 SF_AVX512 void gather_avx512(const void* base, CacheType type, int64_t head_base,
                              const int32_t* slots, int64_t n, int64_t D, float* out) {
   for (int64_t j = 0; j < n; ++j) {
@@ -64,6 +63,8 @@ SF_AVX512 void gather_avx512(const void* base, CacheType type, int64_t head_base
     }
   }
 }
+
+#endif  // SF_X86
 
 // -- one chunk, one (row, head): scores, max, exponentials, their sum, weighted values -----------
 
@@ -91,6 +92,7 @@ Partial chunk_generic(const float* q, const float* K, const float* V, int64_t n,
   return {top, sum};
 }
 
+#if SF_X86
 // Dot products of q with 4 keys at once (independent chains; each key's sum is formed the
 // same way whatever its place among the four, so the result depends on the key alone).
 SF_AVX512 inline void dots4(const __m512* qv, int64_t vecs, const float* K, int64_t D,
@@ -205,6 +207,8 @@ SF_AVX2 Partial chunk_avx2(const float* q, const float* K, const float* V, int64
   return {top, hsum256(sums) + tail};
 }
 
+#endif  // SF_X86
+
 // Merge the chunk partials of one (row, head) in chunk order: out = o / l.
 void merge(const float* ms, const float* ls, const float* os, int64_t chunks, int64_t D,
            float* out) {
@@ -269,8 +273,17 @@ void write_kv(const KVView& kv, const float* k, const float* v, int64_t ld, int6
 void attention(const float* q, int64_t ldq, const KVView& kv, const AttnPlan& plan,
                const AttnShape& s, float* out) {
   const int64_t group = s.heads / s.heads_kv, D = s.head_dim, C = plan.max_chunks;
-  const bool vec = isa_level() == kAvx512 && D % 16 == 0 && D <= 256;
-  const bool avx2 = !vec && isa_level() >= kAvx2 && D % 8 == 0;
+  auto fetch = gather;
+  auto chunk = chunk_generic;
+#if SF_X86
+  if (isa_level() == kAvx512 && D % 16 == 0 && D <= 256) {
+    fetch = gather_avx512;
+    chunk = chunk_avx512;
+  } else if (isa_level() >= kAvx2 && D % 8 == 0) {
+    fetch = gather_avx2;
+    chunk = chunk_avx2;
+  }
+#endif
   // partials [rows, heads, chunks]: max, sum, weighted values [D]
   std::vector<float> pm(s.rows * s.heads * C), pl(s.rows * s.heads * C);
   std::vector<float> po(s.rows * s.heads * C * D);
@@ -297,8 +310,6 @@ void attention(const float* q, int64_t ldq, const KVView& kv, const AttnPlan& pl
         const Item& it = items[i];
         const ChunkTask& t = plan.tasks[it.task];
         const int32_t* slots = plan.vis.idx.data() + t.first;
-        auto fetch = vec ? gather_avx512 : avx2 ? gather_avx2 : gather;
-        auto chunk = vec ? chunk_avx512 : avx2 ? chunk_avx2 : chunk_generic;
         fetch(kv.k, kv.type, it.g * kv.slots * D, slots, t.n, D, w.K.data());
         fetch(kv.v, kv.type, it.g * kv.slots * D, slots, t.n, D, w.V.data());
         for (int32_t k = it.row0; k < it.row0 + it.rows; ++k) {

@@ -7,7 +7,7 @@ namespace sf {
 
 static int detect_isa() {
   int level = kGeneric;
-#if defined(__x86_64__) || defined(__i386__)
+#if SF_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c"))
@@ -30,7 +30,7 @@ int isa_level() {
 }
 
 bool has_avx512bf16() {
-#if defined(__x86_64__) || defined(__i386__)
+#if SF_X86
   static const bool yes = isa_level() == kAvx512 && __builtin_cpu_supports("avx512bf16");
   return yes;
 #else

@@ -16,6 +16,15 @@
 
 #include <ATen/Parallel.h>
 
+// x86 vector code (AVX2, AVX-512) is compiled only for x86; elsewhere the portable C++ runs.
+// SPECFORK_NO_X86 builds the portable code alone on x86 too (to check that it builds).
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(SPECFORK_NO_X86)
+#define SF_X86 1
+#include <immintrin.h>
+#else
+#define SF_X86 0
+#endif
+
 #define SF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
 #define SF_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define SF_AVX512BF16 \

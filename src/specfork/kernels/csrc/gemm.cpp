@@ -1,7 +1,5 @@
 #include "gemm.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -42,6 +40,7 @@ static void quantize_block(const float* x, int8_t* q, float* d, float* ds, int32
   *ds = scale * static_cast<float>(sum);
 }
 
+#if SF_X86
 SF_AVX512 static inline __m512i codes16(__m512 v, __m512 inv) {
   v = _mm512_roundscale_ps(_mm512_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   return _mm512_cvtps_epi32(_mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(127.f)), _mm512_set1_ps(-127.f)));
@@ -104,9 +103,20 @@ SF_AVX2 static void quantize_block_avx2(const float* x, int8_t* q, float* d, flo
   *ds = scale * static_cast<float>(sum);
 }
 
+#endif  // SF_X86
+
+// quantize_block with the widest code this CPU runs (all give the same bits).
+static void quantize_any(int isa, const float* x, int8_t* q, float* d, float* ds, int32_t* s) {
+#if SF_X86
+  if (isa == kAvx512) return quantize_block_avx512(x, q, d, ds, s);
+  if (isa == kAvx2) return quantize_block_avx2(x, q, d, ds, s);
+#endif
+  (void)isa;
+  quantize_block(x, q, d, ds, s);
+}
+
 void Activations::need(Kind kind) {
-  const bool vec = isa_level() == kAvx512;
-  const bool avx2 = isa_level() == kAvx2;
+  const int isa = isa_level();
   if ((kind == Kind::Q4 || kind == Kind::Q8) && !have_q_) {
     const int64_t nb = k / kBlock;
     q.resize(rows * k);
@@ -118,12 +128,7 @@ void Activations::need(Kind kind) {
         for (int64_t b = 0; b < nb; ++b) {
           const float* in = x + r * ld + b * kBlock;
           const int64_t at = r * nb + b;
-          if (vec)
-            quantize_block_avx512(in, &q[r * k + b * kBlock], &d[at], &ds[at], &s[at]);
-          else if (avx2)
-            quantize_block_avx2(in, &q[r * k + b * kBlock], &d[at], &ds[at], &s[at]);
-          else
-            quantize_block(in, &q[r * k + b * kBlock], &d[at], &ds[at], &s[at]);
+          quantize_any(isa, in, &q[r * k + b * kBlock], &d[at], &ds[at], &s[at]);
         }
     };
     if (rows * nb >= 256)  // large inputs (prefill) are worth the threads
@@ -135,10 +140,13 @@ void Activations::need(Kind kind) {
   if (kind == Kind::BF16 && !have_bf_) {
     bf.resize(rows * k);
     for (int64_t r = 0; r < rows; ++r) {
-      if (vec)
+#if SF_X86
+      if (isa == kAvx512) {
         to_bf16_avx512(x + r * ld, &bf[r * k], k);
-      else
-        for (int64_t i = 0; i < k; ++i) bf[r * k + i] = f32_to_bf16(x[r * ld + i]);
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < k; ++i) bf[r * k + i] = f32_to_bf16(x[r * ld + i]);
     }
     have_bf_ = true;
   }
@@ -192,6 +200,7 @@ static void tile_generic(const PackedLinear& w, const Activations& a, int64_t ti
   }
 }
 
+#if SF_X86
 // -- AVX-512 kernels -----------------------------------------------------------------------------
 
 // Integer dot products of one block for RT rows: group g of 4 inputs at a time, two partial
@@ -422,6 +431,8 @@ SF_AVX2 static void tiles_avx2(const PackedLinear& w, const Activations& a, int6
   }
 }
 
+#endif  // SF_X86
+
 static void tiles_generic(const PackedLinear& w, const Activations& a, int64_t t0, int64_t t1,
                           float* y, int64_t ldy) {
   float acc[kTile];
@@ -439,12 +450,11 @@ void linear(const PackedLinear& w, Activations& a, float* y, int64_t ldy) {
   const int64_t tiles = (w.n + kTile - 1) / kTile;
   const int isa = isa_level();
   parallel(tiles, [&](int64_t t0, int64_t t1) {
-    if (isa == kAvx512)
-      tiles_avx512(w, a, t0, t1, y, ldy);
-    else if (isa == kAvx2)
-      tiles_avx2(w, a, t0, t1, y, ldy);
-    else
-      tiles_generic(w, a, t0, t1, y, ldy);
+#if SF_X86
+    if (isa == kAvx512) return tiles_avx512(w, a, t0, t1, y, ldy);
+    if (isa == kAvx2) return tiles_avx2(w, a, t0, t1, y, ldy);
+#endif
+    tiles_generic(w, a, t0, t1, y, ldy);
   });
 }
 

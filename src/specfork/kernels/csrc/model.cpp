@@ -4,8 +4,6 @@
 // kernels, so a row's hidden state never depends on the other rows of the call.
 #include <torch/extension.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -87,6 +85,7 @@ struct Layer {
   bool sliding = false;
 };
 
+#if SF_X86
 SF_AVX512 void rmsnorm_avx512(const float* x, const float* w, int64_t n, float eps, float* y) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
@@ -129,15 +128,20 @@ SF_AVX2 void act_avx2(const float* gate, const float* up, int64_t n, bool gelu, 
   for (; i < n; ++i) y[i] = (gelu ? gelu_tanh1(gate[i]) : silu1(gate[i])) * up[i];
 }
 
+#endif  // SF_X86
+
 void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* y) {
+#if SF_X86
   if (isa_level() == kAvx512) return rmsnorm_avx512(x, w, n, eps, y);
   if (isa_level() == kAvx2) return rmsnorm_avx2(x, w, n, eps, y);
+#endif
   float ss = 0.f;
   for (int64_t i = 0; i < n; ++i) ss = std::fma(x[i], x[i], ss);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv * w[i];
 }
 
+#if SF_X86
 SF_AVX512 void act_avx512(const float* gate, const float* up, int64_t n, bool gelu, float* y) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -153,9 +157,13 @@ SF_AVX512 void act_avx512(const float* gate, const float* up, int64_t n, bool ge
   }
 }
 
+#endif  // SF_X86
+
 void activation(const float* gate, const float* up, int64_t n, bool gelu, float* y) {
+#if SF_X86
   if (isa_level() == kAvx512) return act_avx512(gate, up, n, gelu, y);
   if (isa_level() == kAvx2) return act_avx2(gate, up, n, gelu, y);
+#endif
   for (int64_t i = 0; i < n; ++i) y[i] = (gelu ? gelu_tanh1(gate[i]) : silu1(gate[i])) * up[i];
 }
 

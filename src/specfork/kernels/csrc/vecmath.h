@@ -2,14 +2,13 @@
 // Each output depends only on its own input, so these are batch-invariant trivially.
 #pragma once
 
-#include <immintrin.h>
-
 #include <cmath>
 
 #include "common.h"
 
 namespace sf {
 
+#if SF_X86
 // e^x to ~1 ulp: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r, times 2^n.
 SF_AVX512 inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)),
@@ -44,6 +43,8 @@ SF_AVX512 inline __m512 gelu_tanh512(__m512 g) {
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, t));
 }
 
+#endif  // SF_X86
+
 inline float silu1(float g) { return g / (1.f + std::exp(-g)); }
 
 inline float gelu_tanh1(float g) {
@@ -53,6 +54,7 @@ inline float gelu_tanh1(float g) {
 
 }  // namespace sf
 
+#if SF_X86
 namespace sf {
 
 // -- AVX2 twins of the functions above (same polynomial) --------------------------------------
@@ -106,3 +108,4 @@ SF_AVX2 inline float hmax256(__m256 v) {
 }
 
 }  // namespace sf
+#endif  // SF_X86
