@@ -17,6 +17,7 @@ from specfork.engine import Generator
 from specfork.goodput import CostCurve
 from specfork.kernels import load_kernels
 from specfork.loading.loader import LoadedModel, load_model
+from specfork.tree import Tree, tree_mask, tree_positions
 
 pytestmark = [
     pytest.mark.slow,
@@ -74,20 +75,13 @@ def test_a_rows_logits_do_not_depend_on_the_row_count(loaded: LoadedModel) -> No
 
 
 def test_a_path_in_a_tree_equals_the_chain(loaded: LoadedModel) -> None:
-    """Branch A (root, a1, a2, a3) interleaved with branch B in slot order."""
+    """Branch A (root, a1, a2, a3) interleaved with branch B in slot order, built by the
+    engine's own tree functions."""
     ids = Generator(loaded).encode_prompt(PROMPTS[1])
-    parents = (-1, 0, 0, 1, 2, 3, 4)  # slots: r a1 b1 a2 b2 a3 b3
-    tokens = [2000, 2001, 3001, 2002, 3002, 2003, 3003]
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    depth = torch.zeros(n, dtype=torch.long)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-        depth[i] = int(mask[i].sum()) - 1
-    tree = _logits(loaded, ids, tokens, positions=len(ids) + depth, mask=mask)
+    root, nodes = 2000, Tree([2001, 3001, 2002, 3002, 2003, 3003], [-1, -1, 0, 1, 2, 3])
+    tokens = [root, *nodes.tokens.tolist()]  # rows: r a1 b1 a2 b2 a3 b3
+    positions = tree_positions(nodes, len(ids))
+    tree = _logits(loaded, ids, tokens, positions=positions, mask=tree_mask(nodes))
     branch_a = [0, 1, 3, 5]
     chain = _logits(loaded, ids, [tokens[i] for i in branch_a])
     assert torch.equal(tree[branch_a], chain)
