@@ -22,6 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from specfork.errors import ModelFormatError
 from specfork.loading import dequant
 from specfork.loading.dequant import SUPPORTED_TYPES, check_supported, dequantize
+from specfork.loading.registry import resolve_model
 
 T = GGMLQuantizationType
 ALL_TYPES = sorted(SUPPORTED_TYPES)
@@ -42,10 +43,7 @@ F16_FIELDS = {
 # Worst round-trip error of quantize + dequantize, relative to the largest |x| of a row.
 ROUNDTRIP_TOL = {T.F32: 0.0, T.F16: 1e-3, T.BF16: 4e-3, T.Q8_0: 0.01}
 ROUNDTRIP_TOL |= {T.Q5_0: 0.07, T.Q5_1: 0.07, T.Q4_0: 0.13, T.Q4_1: 0.13}
-REAL_FILES = [
-    Path("/tmp/wh/gemma-3-270m-q4_k_m.gguf"),
-    Path("/tmp/wh/SmolLM2-135M-Instruct.Q4_1.gguf"),
-]
+REAL_MODELS = ["gemma3-270m", "smollm2-135m-instruct"]  # packaged: fetched on first use
 
 
 def _quantizable(qtype: GGMLQuantizationType) -> bool:
@@ -252,12 +250,12 @@ def _gguf_tensors(
     return tensors
 
 
-@pytest.mark.skipif(not all(p.exists() for p in REAL_FILES), reason="needs the /tmp/wh models")
+@pytest.mark.slow
 def test_real_files_match_reference() -> None:
     """Every tensor of two real models; the reference runs on a sample of rows to stay fast."""
     rng = np.random.default_rng(0)
     seen: set[GGMLQuantizationType] = set()
-    for path in REAL_FILES:
+    for path in (resolve_model(name, progress=False) for name in REAL_MODELS):
         for name, qtype, shape, data in _gguf_tensors(path):
             ours = dequantize(data, qtype, shape, name=name)
             assert torch.isfinite(ours).all(), name

