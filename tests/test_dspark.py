@@ -98,9 +98,9 @@ def test_schedule_maps_low_high_onto_min_max_and_clamps(c: float, k: int) -> Non
 
 def test_k_rises_after_an_accepted_round() -> None:
     pol = _policy()
-    assert pol.next_k(0) == 2
+    assert pol.next_shape(0).depth == 2
     pol.update(_info(2, 2, _logits(0.95, 0.01, rows=3)))
-    assert pol.next_k(3) == 8
+    assert pol.next_shape(3).depth == 8
 
 
 def test_k_may_not_rise_when_nothing_was_accepted() -> None:
@@ -108,22 +108,22 @@ def test_k_may_not_rise_when_nothing_was_accepted() -> None:
     pol = _policy()
     pol.update(_info(0, 0, _logits(0.99, 0.005)))
     assert pol.schedule(pol.trace()["confidence"]) == 8  # the mapping alone would rise
-    assert pol.next_k(1) == 2
+    assert pol.next_shape(1).depth == 2
 
 
 def test_k_may_fall_without_acceptance() -> None:
     pol = _policy()
     pol.update(_info(2, 2, _logits(0.95, 0.01, rows=3)))  # K -> 8
     pol.update(_info(0, 0, _logits(0.3, 0.29)))  # empty draft, low confidence
-    assert pol.next_k(5) < 8
+    assert pol.next_shape(5).depth < 8
 
 
 def test_first_token_rejection_drops_k_to_min_at_once() -> None:
     pol = _policy(min_k=3, max_k=9)
     pol.update(_info(3, 3, _logits(0.95, 0.01, rows=4)))
-    assert pol.next_k(4) == 9
+    assert pol.next_shape(4).depth == 9
     pol.update(_info(9, 0, _logits(0.99, 0.001, rows=10)))  # confident, yet the first failed
-    assert pol.next_k(5) == 3
+    assert pol.next_shape(5).depth == 3
     assert pol.trace()["first_rejection_rate"] == 0.5
 
 
@@ -131,7 +131,12 @@ def test_reset_starts_a_request_fresh() -> None:
     pol = _policy()
     pol.update(_info(2, 2, _logits(0.95, 0.01, rows=3)))
     pol.reset()
-    assert (pol.next_k(0), pol.ema, pol.first_rejection_rate, pol.trace()) == (2, None, 0.0, {})
+    assert (pol.next_shape(0).depth, pol.ema, pol.first_rejection_rate, pol.trace()) == (
+        2,
+        None,
+        0.0,
+        {},
+    )
 
 
 def test_trace_has_the_documented_fields() -> None:
@@ -195,7 +200,7 @@ def _speculative_sequences(
         pol.reset()
         seq = [0]
         while len(seq) <= length:
-            k = pol.next_k(len(seq) - 1)
+            k = pol.next_shape(len(seq) - 1).depth
             used.add(k)
             draft, q_rows = [], []
             for _ in range(k):

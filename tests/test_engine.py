@@ -11,8 +11,10 @@ import logging
 import math
 
 import pytest
+import torch
 
-from specfork.config import GenerationConfig, SamplingParams
+from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
 from specfork.engine import GenerationResult, Generator
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import LoadedModel
@@ -368,3 +370,61 @@ def test_decoding_from_another_thread_warns_once(
     assert [r.message.split(":")[0] for r in caplog.records] == [
         "this model was loaded in another thread"
     ]
+
+
+class OldStyleDrafter:
+    """A drafter written against the old protocol (rollback instead of observe, no cost)."""
+
+    name = "old"
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        return None
+
+    def propose(self, history, budget, sampling, rng):
+        raise AssertionError("never called")
+
+    def rollback(self, length: int) -> None:
+        return None
+
+
+def test_a_drafter_missing_protocol_members_is_named(smollm_f32: LoadedModel) -> None:
+    with pytest.raises(ConfigError, match="lacks cost, wants_logits, observe"):
+        Generator(smollm_f32, drafter=OldStyleDrafter())
+
+
+class RepeatLast:
+    """The custom drafter of docs/strategies.md: the last token again, shape.depth times."""
+
+    name, cost, wants_logits = "repeat", 0.0, False
+
+    def __init__(self) -> None:
+        self.committed: list[int] = []
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.committed.clear()
+
+    def propose(self, history, shape: DraftShape, sampling, rng) -> Draft:
+        return chain_draft(torch.full((shape.depth,), history[-1]), source=self.name)
+
+    def observe(self, feedback: Feedback) -> None:
+        self.committed.append(feedback.committed)
+
+
+def test_a_custom_drafter_plugs_in_and_stays_lossless(gen: Generator, smollm_f32) -> None:
+    """The documented toy drafter: greedy output equal to plain decoding, one feedback per
+    round whose rollback point is the history the round committed."""
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    prompt = "a a a a a a a a a a a a a a a a"
+    plain = gen.generate(prompt, config=config, chat=False)
+    drafter = RepeatLast()
+    spec_config = SpecConfig("speculative", k=3, goodput=False)
+    spec = Generator(smollm_f32, spec=spec_config, drafter=drafter)
+    result = spec.generate(prompt, config=config, chat=False)
+    assert result.token_ids == plain.token_ids
+    assert len(drafter.committed) == result.stats.target_forwards
+    prompt_len = len(result.prompt_ids)
+    rounds = result.stats.rounds
+    # committed = prompt + tokens emitted before the round + the round's accepted drafts
+    want = [prompt_len + r.position + r.accepted for r in rounds]
+    assert drafter.committed == want
+    assert result.stats.accepted > 0  # the repeated tokens were accepted at least once

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.drafters.base import Draft
+from specfork.drafters.base import Draft, Feedback, chain_draft
 from specfork.engine import Generator
 from specfork.goodput import (
     EXPLORE_EVERY,
@@ -80,6 +80,8 @@ class WrongDrafter:
     """Always proposes k copies of a token the model does not emit next (never accepted)."""
 
     name = "wrong"
+    cost = 0.0
+    wants_logits = False
 
     def __init__(self, token: int) -> None:
         self.token = token
@@ -87,10 +89,10 @@ class WrongDrafter:
     def begin(self, prompt_ids: list[int]) -> None:
         return None
 
-    def propose(self, history, budget, sampling, rng) -> Draft:
-        return Draft(torch.full((budget,), self.token), source="wrong")
+    def propose(self, history, shape, sampling, rng) -> Draft:
+        return chain_draft(torch.full((shape.depth,), self.token), source="wrong")
 
-    def rollback(self, length: int) -> None:
+    def observe(self, feedback: Feedback) -> None:
         return None
 
 
@@ -100,9 +102,11 @@ class OracleDrafter(WrongDrafter):
     def __init__(self, tokens: list[int], prompt_len: int) -> None:
         self.tokens, self.prompt_len = tokens, prompt_len
 
-    def propose(self, history, budget, sampling, rng) -> Draft:
+    def propose(self, history, shape, sampling, rng) -> Draft:
+        budget = shape.depth
         at = len(history) - self.prompt_len
-        return Draft(torch.tensor(self.tokens[at : at + budget], dtype=torch.long), source="oracle")
+        tokens = torch.tensor(self.tokens[at : at + budget], dtype=torch.long)  # [K]
+        return chain_draft(tokens, source="oracle")
 
 
 N = 40

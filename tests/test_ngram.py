@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specfork.config import SamplingParams
-from specfork.drafters.base import Draft
+from specfork.drafters.base import Draft, DraftShape, Feedback
 from specfork.drafters.ngram import NgramDrafter
 from specfork.errors import ConfigError
 
@@ -12,9 +12,10 @@ SAMPLING = SamplingParams()  # n-gram proposals ignore sampling parameters and t
 
 
 def propose(drafter: NgramDrafter, history: list[int], budget: int = 10) -> list[int]:
-    draft = drafter.propose(history, budget, SAMPLING, torch.Generator().manual_seed(0))
+    draft = drafter.propose(history, DraftShape(budget), SAMPLING, torch.Generator().manual_seed(0))
     assert isinstance(draft, Draft)
     assert draft.q is None  # deterministic proposal: verified as one-hot q
+    assert draft.is_chain
     assert draft.forwards == 0  # no model runs
     assert draft.tokens.dtype == torch.long
     assert draft.tokens.dim() == 1
@@ -24,7 +25,7 @@ def propose(drafter: NgramDrafter, history: list[int], budget: int = 10) -> list
 def test_no_match_gives_empty_draft():
     drafter = NgramDrafter(max_ngram=3, min_ngram=1)
     assert propose(drafter, [1, 2, 3, 4, 5]) == []  # last token 5 never occurred before
-    assert len(drafter.propose([1, 2, 3], 4, SAMPLING, torch.Generator())) == 0
+    assert len(drafter.propose([1, 2, 3], DraftShape(4), SAMPLING, torch.Generator())) == 0
 
 
 def test_empty_and_single_token_history_give_empty_draft():
@@ -95,16 +96,16 @@ def test_history_shorter_than_max_ngram():
 
 def test_does_not_mutate_history_and_returns_a_copy():
     history = [1, 2, 3, 1, 2]
-    tokens = NgramDrafter().propose(history, 4, SAMPLING, torch.Generator()).tokens
+    tokens = NgramDrafter().propose(history, DraftShape(4), SAMPLING, torch.Generator()).tokens
     tokens[0] = 99
     assert history == [1, 2, 3, 1, 2]
     assert propose(NgramDrafter(), history, budget=4) == [3, 1, 2]
 
 
-def test_begin_and_rollback_are_harmless():
+def test_begin_and_observe_are_harmless():
     drafter = NgramDrafter()
     drafter.begin([1, 2, 3])
-    drafter.rollback(2)
+    drafter.observe(Feedback(2, torch.tensor([2, 3])))
     assert propose(drafter, [1, 2, 3, 1, 2], budget=2) == [3, 1]
 
 

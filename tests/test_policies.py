@@ -25,10 +25,10 @@ def test_constant_k_never_changes():
     policy = ConstantK(4)
     assert policy.name == "constant"
     for generated, info in enumerate([round_info(4, 4), round_info(4, 0), round_info(0, 0)]):
-        assert policy.next_k(generated * 10) == 4
+        assert policy.next_shape(generated * 10).depth == 4
         policy.update(info)
     policy.reset()
-    assert policy.next_k(1000) == 4
+    assert policy.next_shape(1000).depth == 4
 
 
 # --------------------------------------------------------------------------------- HeuristicK
@@ -37,55 +37,55 @@ def test_constant_k_never_changes():
 def test_heuristic_plus_two_after_full_acceptance_minus_one_otherwise():
     policy = HeuristicK(3, k_max=10)
     assert policy.name == "heuristic"
-    assert policy.next_k(0) == 3
+    assert policy.next_shape(0).depth == 3
     policy.update(round_info(3, 3))  # fully accepted: +2
-    assert policy.next_k(4) == 5
+    assert policy.next_shape(4).depth == 5
     policy.update(round_info(5, 4))  # one rejected: -1
-    assert policy.next_k(9) == 4
+    assert policy.next_shape(9).depth == 4
     policy.update(round_info(4, 0))  # all rejected: also just -1
-    assert policy.next_k(10) == 3
+    assert policy.next_shape(10).depth == 3
 
 
 def test_heuristic_bounds():
     policy = HeuristicK(2, k_max=5)
     ks = []
     for _ in range(4):  # always fully accepted: 2 -> 4 -> 5 (capped) -> 5
-        k = policy.next_k(0)
+        k = policy.next_shape(0).depth
         policy.update(round_info(k, k))
-        ks.append(policy.next_k(0))
+        ks.append(policy.next_shape(0).depth)
     assert ks == [4, 5, 5, 5]
     ks = []
     for _ in range(7):  # always rejected: 5 -> 4 -> ... -> 1, never below 1
-        k = policy.next_k(0)
+        k = policy.next_shape(0).depth
         policy.update(round_info(k, 0))
-        ks.append(policy.next_k(0))
+        ks.append(policy.next_shape(0).depth)
     assert ks == [4, 3, 2, 1, 1, 1, 1]
 
 
 def test_heuristic_default_k_max_is_twice_k():
     policy = HeuristicK(3)
     for _ in range(5):
-        k = policy.next_k(0)
+        k = policy.next_shape(0).depth
         policy.update(round_info(k, k))
-    assert policy.next_k(0) == 6
+    assert policy.next_shape(0).depth == 6
 
 
 def test_heuristic_empty_draft_rounds_do_not_change_k():
     policy = HeuristicK(3, k_max=8)
     policy.update(round_info(0, 0))  # 0 == 0 would otherwise count as "fully accepted"
-    assert policy.next_k(1) == 3
+    assert policy.next_shape(1).depth == 3
     policy.update(round_info(3, 1))
-    assert policy.next_k(2) == 2
+    assert policy.next_shape(2).depth == 2
     policy.update(round_info(0, 0))
-    assert policy.next_k(3) == 2
+    assert policy.next_shape(3).depth == 2
 
 
 def test_heuristic_reset_restores_the_start():
     policy = HeuristicK(3, k_max=8)
     policy.update(round_info(3, 3))
-    assert policy.next_k(0) == 5
+    assert policy.next_shape(0).depth == 5
     policy.reset()
-    assert policy.next_k(0) == 3
+    assert policy.next_shape(0).depth == 3
 
 
 def test_heuristic_start_above_k_max_is_clamped_or_rejected():
@@ -93,7 +93,7 @@ def test_heuristic_start_above_k_max_is_clamped_or_rejected():
         policy = HeuristicK(5, k_max=3)
     except ConfigError:
         return  # rejecting an inconsistent configuration is also acceptable
-    assert 1 <= policy.next_k(0) <= 3
+    assert 1 <= policy.next_shape(0).depth <= 3
 
 
 def test_heuristic_k_max_zero_is_rejected():
@@ -128,19 +128,19 @@ def test_heuristic_invalid_arguments(k, k_max):
 def test_linear_decay_values(k_max, expected, generated, k):
     policy = LinearDecayK(k_max, expected)
     assert policy.name == "linear-decay"
-    assert policy.next_k(generated) == k
+    assert policy.next_shape(generated).depth == k
 
 
 def test_linear_decay_matches_formula_and_is_monotone():
     k_max, total = 7, 37
     policy = LinearDecayK(k_max, total)
-    ks = [policy.next_k(t) for t in range(0, 60)]
+    ks = [policy.next_shape(t).depth for t in range(0, 60)]
     assert ks == [max(1, round(k_max * (1 - t / total))) for t in range(0, 60)]
     assert ks == sorted(ks, reverse=True)  # non-increasing
     assert ks[0] == k_max and ks[-1] == 1
     policy.update(round_info(7, 7, generated=7))  # history does not matter
     policy.reset()
-    assert policy.next_k(10) == ks[10]
+    assert policy.next_shape(10).depth == ks[10]
 
 
 @pytest.mark.parametrize(("k_max", "expected"), [(0, 10), (3, 0), (-2, 10), (3, -1), (2.0, 10)])
@@ -160,7 +160,7 @@ def test_make_policy_by_name(name, cls):
     policy = make_policy(name, 4, 100)
     assert isinstance(policy, cls)
     assert policy.name == name
-    assert policy.next_k(0) == 4
+    assert policy.next_shape(0).depth == 4
     assert name in POLICIES
 
 

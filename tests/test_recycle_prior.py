@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specfork.config import ModelConfig
+from specfork.config import ModelConfig, SamplingParams
+from specfork.drafters.base import DraftShape
 from specfork.drafters.forks import ForkDrafter
 from specfork.drafters.recycle import UNKNOWN, RecycleTable
 from specfork.drafters.recycle_prior import compute_prior, load_or_compute, prior_file
 from specfork.errors import ConfigError
 from specfork.models.llama import LlamaLM
-from specfork.spork import TreeShape
 
 V, W = 96, 4
 
@@ -85,9 +85,9 @@ def test_a_root_never_seen_still_gets_forks_from_the_prior() -> None:
     prior[12] = torch.tensor([20, 21, 22, 23, 24, 25, 26, 27])
     drafter = ForkDrafter(V, recycle=True, chains={}, prior=prior)
     drafter.begin([1, 2])
-    shape = TreeShape("forks", forks=2, depth=2, budget=24, tau=0.0)
-    _, tree = drafter.propose_tree([1, 2, 11], shape, max_depth=8, max_nodes=24)
+    shape = DraftShape(2, "forks", forks=2, budget=24)
+    tree = drafter.propose([1, 2, 11], shape, SamplingParams(), torch.Generator()).tree
     assert tree.tokens.tolist() == [12, 20, 13] and tree.parents.tolist() == [-1, 0, -1]
     empty = ForkDrafter(V, recycle=True, chains={})
     empty.begin([1, 2])
-    assert len(empty.propose_tree([1, 2, 11], shape, max_depth=8, max_nodes=24)[1]) == 0
+    assert len(empty.propose([1, 2, 11], shape, SamplingParams(), torch.Generator())) == 0

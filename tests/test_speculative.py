@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.drafters.base import Draft
+from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
 from specfork.drafters.model import ModelDrafter
 from specfork.engine import GenerationResult, Generator
 from specfork.goodput import CostCurve
@@ -202,6 +202,8 @@ class OracleDrafter:
     """
 
     name = "oracle"
+    cost = 0.0
+    wants_logits = False
 
     def __init__(
         self, continuation: list[int], start: int = 1, wrong_at: int | None = None, vocab: int = 1
@@ -224,9 +226,10 @@ class OracleDrafter:
         self.diverged = False
 
     def propose(
-        self, history: list[int], budget: int, sampling: SamplingParams, rng: torch.Generator
+        self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator
     ) -> Draft:
         m = len(history) - self.prompt_len  # output tokens so far
+        budget = shape.depth
         self.budgets.append(budget)
         tokens: list[int] = []
         if history[self.prompt_len :] != self.continuation[:m]:
@@ -236,10 +239,10 @@ class OracleDrafter:
             if self.wrong_at is not None and self.wrong_at < len(tokens):
                 tokens[self.wrong_at] = (tokens[self.wrong_at] + 1) % self.vocab
         self.proposals.append((m, tokens))
-        return Draft(tokens=torch.tensor(tokens, dtype=torch.long))
+        return chain_draft(torch.tensor(tokens, dtype=torch.long))
 
-    def rollback(self, length: int) -> None:
-        self.rollbacks.append(length)
+    def observe(self, feedback: Feedback) -> None:
+        self.rollbacks.append(feedback.committed)
 
 
 def _oracle_gen(
@@ -603,6 +606,8 @@ class RecordingDrafter:
     def __init__(self, inner: ModelDrafter) -> None:
         self.inner = inner
         self.name = inner.name
+        self.cost = inner.cost
+        self.wants_logits = inner.wants_logits
         self.prompt: list[int] = []
         self.calls: list[tuple[list[int], int, list[int]]] = []
 
@@ -612,14 +617,14 @@ class RecordingDrafter:
         self.inner.begin(prompt_ids)
 
     def propose(
-        self, history: list[int], budget: int, sampling: SamplingParams, rng: torch.Generator
+        self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator
     ) -> Draft:
-        draft = self.inner.propose(history, budget, sampling, rng)
-        self.calls.append((list(history), budget, draft.tokens.tolist()))
+        draft = self.inner.propose(history, shape, sampling, rng)
+        self.calls.append((list(history), shape.depth, draft.tokens.tolist()))
         return draft
 
-    def rollback(self, length: int) -> None:
-        self.inner.rollback(length)
+    def observe(self, feedback: Feedback) -> None:
+        self.inner.observe(feedback)
 
 
 def test_draft_cache_follows_rollbacks(
@@ -648,7 +653,7 @@ def test_draft_cache_follows_rollbacks(
     rng = torch.Generator().manual_seed(0)
     for history, budget, proposed in after_rejection[:4]:
         fresh.begin(recorder.prompt)
-        again = fresh.propose(history, budget, SamplingParams(), rng).tokens.tolist()
+        again = fresh.propose(history, DraftShape(budget), SamplingParams(), rng).tokens.tolist()
         assert again == proposed, (len(history) - len(recorder.prompt), budget)
 
 

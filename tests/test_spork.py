@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from specfork.config import SamplingParams, SpecConfig
-from specfork.drafters.base import Draft
+from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
 from specfork.drafters.forks import ForkDrafter, _cap
 from specfork.errors import ConfigError
 from specfork.policies import RoundInfo
-from specfork.spork import SporkPolicy, TreeShape, node_scores
-from specfork.tree import Tree, children, depths
+from specfork.spork import SporkPolicy
+from specfork.tree import Tree, children, depths, node_scores
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,22 +55,29 @@ def test_tau_never_drops_the_best_first_guess() -> None:
 
 
 class FixedChain:
-    """A chain drafter that always proposes the same tokens (cut to the budget)."""
+    """A chain drafter that always proposes the same tokens (cut to the depth)."""
 
     name = "fixed"
+    cost = 0.0
+    wants_logits = False
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
-        self.rolled_back: list[int] = []
+        self.committed: list[int] = []
 
     def begin(self, prompt_ids: list[int]) -> None:
         return None
 
-    def propose(self, history, budget, sampling, rng) -> Draft:
-        return Draft(torch.tensor(self.tokens[:budget], dtype=torch.long), forwards=1)
+    def propose(self, history, shape, sampling, rng) -> Draft:
+        return chain_draft(torch.tensor(self.tokens[: shape.depth], dtype=torch.long), forwards=1)
 
-    def rollback(self, length: int) -> None:
-        self.rolled_back.append(length)
+    def observe(self, feedback: Feedback) -> None:
+        self.committed.append(feedback.committed)
+
+
+def _propose(drafter: ForkDrafter, history: list[int], **shape) -> tuple[Draft, Tree]:
+    draft = drafter.propose(history, DraftShape(**shape), SamplingParams(), torch.Generator())
+    return draft, draft.tree
 
 
 def _table_drafter(chain: list[int] | None = None) -> ForkDrafter:
@@ -82,25 +89,23 @@ def _table_drafter(chain: list[int] | None = None) -> ForkDrafter:
     for row, succ in enumerate([[2, 3, 4], [5], [6], [7], [8]]):
         for rank, s in enumerate(succ):
             logits[row, s] = 10.0 - rank
-    drafter.observe(torch.tensor([1, 2, 3, 4, 5]), logits)
+    drafter.observe(Feedback(5, torch.tensor([1, 2, 3, 4, 5]), [], logits))
     return drafter
 
 
 def test_recycled_forks_walk_the_table() -> None:
     drafter = _table_drafter()
-    shape = TreeShape("forks", forks=3, depth=3, budget=24, tau=0.0)
-    draft, tree = drafter.propose_tree([9, 1], shape, max_depth=10, max_nodes=100)
+    draft, tree = _propose(drafter, [9, 1], kind="forks", forks=3, depth=3, budget=24)
     paths = {tuple(tree.tokens[i].item() for i in _path(tree, leaf)) for leaf in _leaves(tree)}
     assert paths == {(2, 5, 8), (3, 6), (4, 7)}  # 6 and 7 have no known successor: forks stop
     assert [tree.tokens[c].item() for c in children(tree)[0]] == [2, 3, 4]
-    assert draft.parents is not None and draft.parents.tolist() == tree.parents.tolist()
+    assert draft.scores is not None and len(draft.scores) == len(tree)
     assert int(depths(tree).max()) <= 3
 
 
 def test_chain_branches_come_first_and_share_nodes_with_forks() -> None:
     drafter = _table_drafter(chain=[3, 6, 11])
-    shape = TreeShape("forks", forks=3, depth=3, budget=24, tau=0.0)
-    draft, tree = drafter.propose_tree([9, 1], shape, max_depth=10, max_nodes=100)
+    draft, tree = _propose(drafter, [9, 1], kind="forks", forks=3, depth=3, budget=24)
     first = [tree.tokens[c].item() for c in children(tree)[0]]
     assert first == [3, 2, 4]  # the chain's 3 first, the recycled 3 merged into it
     assert tree.tokens.tolist().count(6) == 1  # 3 -> 6 shared by the chain and the fork
@@ -109,26 +114,24 @@ def test_chain_branches_come_first_and_share_nodes_with_forks() -> None:
 
 def test_tree_respects_depth_and_node_limits() -> None:
     drafter = _table_drafter(chain=[3, 6, 11, 12, 13])
-    shape = TreeShape("dynamic", forks=3, depth=6, budget=24, tau=0.0)
-    _, tree = drafter.propose_tree([9, 1], shape, max_depth=2, max_nodes=4)
+    _, tree = _propose(drafter, [9, 1], kind="dynamic", forks=3, depth=2, budget=4)
     assert len(tree) <= 4 and int(depths(tree).max()) <= 2
-    _, empty = drafter.propose_tree([9, 1], shape, max_depth=0, max_nodes=4)
+    _, empty = _propose(drafter, [9, 1], kind="dynamic", forks=3, depth=0, budget=4)
     assert len(empty) == 0
 
 
 def test_unknown_root_gives_an_empty_tree() -> None:
     drafter = _table_drafter()
-    shape = TreeShape("forks", forks=3, depth=3, budget=24, tau=0.0)
-    _, tree = drafter.propose_tree([9, 30], shape, max_depth=5, max_nodes=50)
+    _, tree = _propose(drafter, [9, 30], kind="forks", forks=3, depth=3, budget=24)
     assert len(tree) == 0
 
 
-def test_rollback_reaches_the_chain_drafters() -> None:
+def test_feedback_reaches_the_chain_drafters() -> None:
     chain = FixedChain([1])
     drafter = ForkDrafter(V, recycle=False, chains={"fixed": chain})
-    drafter.rollback(17)
-    assert chain.rolled_back == [17] and drafter.name == "fixed"
-    assert not drafter.wants_prefill_logits
+    drafter.observe(Feedback(17, torch.tensor([1])))
+    assert chain.committed == [17] and drafter.name == "fixed"
+    assert not drafter.wants_logits and drafter.cost == 0
 
 
 # ----------------------------------------------------------------------------- adaptation
@@ -212,7 +215,7 @@ def test_no_adapt_keeps_the_shape() -> None:
     pol = SporkPolicy(SpecConfig("spork", forks=3, depth=5, tau=0.1, adapt=False))
     for _ in range(4):
         pol.update(_round(16, 0, None))
-    assert pol.next_shape(0) == TreeShape("forks", 3, 5, 24, 0.1)
+    assert pol.next_shape(0) == DraftShape(5, "forks", 3, 24, 0.1)
 
 
 def test_empty_trees_do_not_adapt_and_reset_restores() -> None:
@@ -330,7 +333,7 @@ def test_sampling_params_unused_by_chains_are_greedy() -> None:
 def test_recycle_table_persists_across_requests_only_when_asked(persist: bool) -> None:
     drafter = ForkDrafter(V, recycle=True, chains={}, persist=persist)
     drafter.begin([1])
-    drafter.observe(torch.tensor([1]), torch.arange(V, dtype=torch.float32)[None])  # [1, V]
+    drafter.observe(Feedback(1, torch.tensor([1]), [], torch.arange(V, dtype=torch.float32)[None]))
     assert drafter.table is not None and drafter.table.candidates(1, 1) == [V - 1]
     drafter.begin([2])  # the next request
     assert drafter.table.candidates(1, 1) == ([V - 1] if persist else [])

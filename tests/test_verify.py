@@ -97,28 +97,28 @@ def logits_with_argmax(argmax: list[int], vocab: int = 8, seed: int = 0) -> torc
 def test_verify_greedy_all_accepted_adds_the_bonus_token():
     target = logits_with_argmax([3, 1, 4, 6])  # [K + 1 = 4, V]
     verdict = verify_greedy(torch.tensor([3, 1, 4]), target)
-    assert verdict == Verdict(accepted=3, tokens=[3, 1, 4, 6])
+    assert verdict == Verdict(path=list(range(3)), tokens=[3, 1, 4, 6])
 
 
 def test_verify_greedy_first_rejected_emits_only_the_target_token():
     target = logits_with_argmax([3, 1, 4, 6])
     verdict = verify_greedy(torch.tensor([2, 1, 4]), target)
-    assert verdict == Verdict(accepted=0, tokens=[3])
+    assert verdict == Verdict(path=list(range(0)), tokens=[3])
 
 
 def test_verify_greedy_rejection_in_the_middle():
     target = logits_with_argmax([3, 1, 4, 6, 0, 2])
     verdict = verify_greedy(torch.tensor([3, 1, 5, 6, 0]), target)
-    assert verdict == Verdict(accepted=2, tokens=[3, 1, 4])
+    assert verdict == Verdict(path=list(range(2)), tokens=[3, 1, 4])
     # later agreement after a mismatch does not count
     verdict = verify_greedy(torch.tensor([3, 7, 4, 6, 0]), target)
-    assert verdict == Verdict(accepted=1, tokens=[3, 1])
+    assert verdict == Verdict(path=list(range(1)), tokens=[3, 1])
 
 
 def test_verify_greedy_empty_draft_emits_the_target_token():
     target = logits_with_argmax([5])  # [1, V]
     verdict = verify_greedy(torch.empty(0, dtype=torch.long), target)
-    assert verdict == Verdict(accepted=0, tokens=[5])
+    assert verdict == Verdict(path=list(range(0)), tokens=[5])
     assert all(isinstance(t, int) for t in verdict.tokens)
 
 
@@ -127,7 +127,7 @@ def test_verify_sampling_empty_draft_emits_one_token_from_p():
     p[0, 4] = 1.0
     q = torch.empty(0, 6)
     verdict = verify_sampling(torch.empty(0, dtype=torch.long), p, q, torch.Generator())
-    assert verdict == Verdict(accepted=0, tokens=[4])
+    assert verdict == Verdict(path=list(range(0)), tokens=[4])
 
 
 def test_verify_sampling_is_reproducible_with_a_seed():
@@ -413,7 +413,7 @@ def test_loop_harness_detects_a_broken_per_call_verifier():
     def broken(draft, p, q, generator) -> Verdict:
         out = batched_verify(draft[None], p, q, generator, residual_of=p_itself)
         n = int(out.accepted[0])
-        return Verdict(n, out.tokens[0, : n + 1].tolist())
+        return Verdict(list(range(n)), out.tokens[0, : n + 1].tolist())
 
     cfg = CONTROL_CONFIGS[0]
     p, q = cfg.distributions()

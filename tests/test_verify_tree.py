@@ -60,9 +60,8 @@ from specfork.config import SamplingParams
 from specfork.errors import ConfigError
 from specfork.sampling import probabilities
 from specfork.tree import Tree, chain, children
-from specfork.verify import one_hot_q, verify_greedy, verify_sampling
+from specfork.verify import Verdict, one_hot_q, verify_greedy, verify_sampling
 from specfork.verify_tree import (
-    TreeVerdict,
     verify_tree_greedy,
     verify_tree_sampling,
     verify_tree_typical,
@@ -98,38 +97,38 @@ UNEVEN = Tree(torch.tensor([3, 5, 1, 2, 7, 6]), torch.tensor([-1, -1, 0, 0, 2, 1
 
 def test_greedy_first_child_path_to_a_leaf_then_bonus():
     target = logits_with_argmax([3, 1, 0, 7, 0, 4, 0])
-    assert verify_tree_greedy(UNEVEN, target) == TreeVerdict([0, 2, 4], [3, 1, 7, 4])
+    assert verify_tree_greedy(UNEVEN, target) == Verdict([0, 2, 4], [3, 1, 7, 4])
 
 
 def test_greedy_a_later_fork_wins():
     target = logits_with_argmax([5, 0, 6, 0, 0, 0, 9])
     verdict = verify_tree_greedy(UNEVEN, target)
-    assert verdict == TreeVerdict([1, 5], [5, 6, 9])
+    assert verdict == Verdict([1, 5], [5, 6, 9])
     assert verdict.accepted == 2
 
 
 def test_greedy_second_child_of_a_node():
     target = logits_with_argmax([3, 2, 0, 0, 11, 0, 0])  # node0's second child (2) matches
-    assert verify_tree_greedy(UNEVEN, target) == TreeVerdict([0, 3], [3, 2, 11])
+    assert verify_tree_greedy(UNEVEN, target) == Verdict([0, 3], [3, 2, 11])
 
 
 def test_greedy_no_child_accepted_emits_the_target_token():
     target = logits_with_argmax([9, 1, 6, 7, 0, 4, 0])
     verdict = verify_tree_greedy(UNEVEN, target)
-    assert verdict == TreeVerdict([], [9])
+    assert verdict == Verdict([], [9])
     assert verdict.accepted == 0
 
 
 def test_greedy_stops_inside_the_tree():
     target = logits_with_argmax([3, 4, 6, 7, 0, 4, 0])  # node0 accepted, none of its children
-    assert verify_tree_greedy(UNEVEN, target) == TreeVerdict([0], [3, 4])
+    assert verify_tree_greedy(UNEVEN, target) == Verdict([0], [3, 4])
 
 
 def test_greedy_empty_tree_and_duplicate_siblings():
-    assert verify_tree_greedy(chain([]), logits_with_argmax([4])) == TreeVerdict([], [4])
+    assert verify_tree_greedy(chain([]), logits_with_argmax([4])) == Verdict([], [4])
     dup = Tree(torch.tensor([2, 2, 8]), torch.tensor([-1, -1, 1]))  # the first 2 wins
     target = logits_with_argmax([2, 5, 8, 1])
-    assert verify_tree_greedy(dup, target) == TreeVerdict([0], [2, 5])
+    assert verify_tree_greedy(dup, target) == Verdict([0], [2, 5])
 
 
 def test_greedy_on_a_chain_agrees_with_verify_greedy():
@@ -184,11 +183,11 @@ def test_typical_threshold_uses_entropy():
     # uniform over 4 tokens: H = ln 4, delta * exp(-H) = 0.3 / 4 = 0.075 < epsilon = 0.09
     tree = Tree(torch.tensor([0]), torch.tensor([-1]))
     p = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.0, 0.0, 1.0, 0.0]])
-    assert verify_tree_typical(tree, p, 0.09, 0.3) == TreeVerdict([0], [0, 2])
+    assert verify_tree_typical(tree, p, 0.09, 0.3) == Verdict([0], [0, 2])
     # threshold min(epsilon, delta / 4): 0.25 passes below it, fails at or above it
-    assert verify_tree_typical(tree, p, 1.0, 1.2) == TreeVerdict([], [0])  # min(1, 0.3)
-    assert verify_tree_typical(tree, p, 0.2, 1.2) == TreeVerdict([0], [0, 2])  # min(0.2, 0.3)
-    assert verify_tree_typical(tree, p, 0.3, 2.0) == TreeVerdict([], [0])  # min(0.3, 0.5)
+    assert verify_tree_typical(tree, p, 1.0, 1.2) == Verdict([], [0])  # min(1, 0.3)
+    assert verify_tree_typical(tree, p, 0.2, 1.2) == Verdict([0], [0, 2])  # min(0.2, 0.3)
+    assert verify_tree_typical(tree, p, 0.3, 2.0) == Verdict([], [0])  # min(0.3, 0.5)
 
 
 def test_typical_with_a_one_hot_target_equals_greedy():
@@ -238,11 +237,11 @@ def test_sampling_follows_certain_targets():
     p[0, 5], p[2, 6], p[6, 0] = 1.0, 1.0, 1.0
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
-        assert verify_tree_sampling(UNEVEN, p, None, g) == TreeVerdict([1, 5], [5, 6, 0])
+        assert verify_tree_sampling(UNEVEN, p, None, g) == Verdict([1, 5], [5, 6, 0])
     p[0] = 0.0
     p[0, 4] = 1.0  # no child drafted 4: every child is rejected, 4 is emitted
     for _ in range(20):
-        assert verify_tree_sampling(UNEVEN, p, None, g) == TreeVerdict([], [4])
+        assert verify_tree_sampling(UNEVEN, p, None, g) == Verdict([], [4])
 
 
 def test_sampling_a_rejected_deterministic_child_is_never_emitted_after_rejection():
@@ -271,7 +270,7 @@ def test_sampling_is_reproducible_with_a_seed():
     g = torch.Generator().manual_seed(5)
     p = torch.softmax(torch.randn(7, 12, generator=g), -1)
 
-    def run(seed: int) -> list[TreeVerdict]:
+    def run(seed: int) -> list[Verdict]:
         gen = torch.Generator().manual_seed(seed)
         return [verify_tree_sampling(UNEVEN, p, None, gen) for _ in range(100)]
 
@@ -584,8 +583,8 @@ def test_library_harness_detects_a_broken_per_call_verifier():
     def broken(tree: Tree, p: torch.Tensor, q: torch.Tensor, gen: torch.Generator):
         out = batched_star(tree.tokens[None], world, list(q), gen, residual_of=p_itself)[0]
         if out[1] < 0:
-            return TreeVerdict([], [int(out[0])])
-        return TreeVerdict([int((tree.tokens == out[0]).nonzero()[0])], out.tolist())
+            return Verdict([], [int(out[0])])
+        return Verdict([int((tree.tokens == out[0]).nonzero()[0])], out.tolist())
 
     emitted = run_library(cfg, world, 5_000, seed=400, verifier=broken)
     report = check(emitted, world, root_q_rows(cfg, world))

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from specfork.config import SpecConfig
+from specfork.drafters.base import DraftShape
 from specfork.policies import RoundInfo
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,8 @@ class DSparkPolicy:
         self.first_rejections = 0
         self.last: dict[str, float | int | bool] = {}
 
-    def next_k(self, generated: int) -> int:
-        return self.k
+    def next_shape(self, generated: int) -> DraftShape:
+        return DraftShape(self.k)
 
     @property
     def first_rejection_rate(self) -> float:

@@ -1,4 +1,4 @@
-"""Draft-length policies: how many tokens to draft next, from what happened so far.
+"""Draft policies: the shape of the next draft (for chains, its length K) from the past.
 
 A policy sees only the past (acceptance history, the target's logits from the last
 verification) and never changes the output distribution — only how much is drafted.
@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from specfork.config import POLICY_NAMES
+from specfork.drafters.base import DraftShape
 from specfork.errors import ConfigError
 
 
@@ -22,21 +23,21 @@ class RoundInfo:
     drafted: int
     accepted: int
     generated: int  # output tokens so far, this round's included
-    target_logits: torch.Tensor | None = None  # [K + 1, V] from the verification forward
-    fork: int | None = None  # trees: the root's child (sibling rank) that won; None = none
-    tree_depth: int = 0  # trees: depth of the deepest verified node
+    target_logits: torch.Tensor | None = None  # [N + 1, V] from the verification forward
+    fork: int | None = None  # the root's child (sibling rank) that won; None = none
+    tree_depth: int = 0  # depth of the deepest verified node (a chain: its length)
 
 
 class DraftPolicy(Protocol):
-    """Chooses the next draft length."""
+    """Chooses the shape of the next draft."""
 
     name: str
 
     def reset(self) -> None:
         """Start a new request."""
 
-    def next_k(self, generated: int) -> int:
-        """Draft length for the next round (`generated` output tokens so far)."""
+    def next_shape(self, generated: int) -> DraftShape:
+        """The next round's draft shape (`generated` output tokens so far)."""
 
     def update(self, info: RoundInfo) -> None:
         """Learn from the round that just finished."""
@@ -62,8 +63,8 @@ class ConstantK:
     def reset(self) -> None:
         return None
 
-    def next_k(self, generated: int) -> int:
-        return self.k
+    def next_shape(self, generated: int) -> DraftShape:
+        return DraftShape(self.k)
 
     def update(self, info: RoundInfo) -> None:
         return None
@@ -89,8 +90,8 @@ class HeuristicK:
     def reset(self) -> None:
         self.k = self.k_start
 
-    def next_k(self, generated: int) -> int:
-        return self.k
+    def next_shape(self, generated: int) -> DraftShape:
+        return DraftShape(self.k)
 
     def update(self, info: RoundInfo) -> None:
         if info.drafted == 0:
@@ -116,8 +117,8 @@ class LinearDecayK:
     def reset(self) -> None:
         return None
 
-    def next_k(self, generated: int) -> int:
-        return max(1, round(self.k_max * (1 - generated / self.expected)))
+    def next_shape(self, generated: int) -> DraftShape:
+        return DraftShape(max(1, round(self.k_max * (1 - generated / self.expected))))
 
     def update(self, info: RoundInfo) -> None:
         return None

@@ -31,13 +31,10 @@ Adaptation (`SporkPolicy`, all bounded, all in the trace):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
-import torch
 
 from specfork.config import SpecConfig
+from specfork.drafters.base import DraftShape
 from specfork.policies import RoundInfo
-from specfork.tree import Tree, children
 
 log = logging.getLogger(__name__)
 
@@ -46,28 +43,6 @@ FALLBACKS_BEFORE_NARROWING = 2
 REACH_RATE = 0.2  # EMA rate of the per-level reach rates r_d
 REACH_START = 0.5  # r_d before any round reached level d
 PROBE_RATE = 0.05  # how fast an undrafted level's r_d recovers after runs through all levels
-
-
-@dataclass(frozen=True, slots=True)
-class TreeShape:
-    """What the drafter is asked to grow this round."""
-
-    kind: str  # "forks" or "dynamic"
-    forks: int  # first-level branches (the branching factor of the dynamic shape)
-    depth: int  # deepest node
-    budget: int  # most nodes
-    tau: float  # prior-score threshold
-    model_depth: int | None = None  # deepest level model drafters draft (None: depth)
-
-
-def node_scores(tree: Tree) -> torch.Tensor:
-    """Prior score [N] of every node: the product of 1/(sibling rank + 1) along its path."""
-    scores = torch.ones(len(tree), dtype=torch.float64)  # [N]
-    for parent, kids in enumerate(children(tree)):
-        base = 1.0 if parent == 0 else float(scores[parent - 1])
-        for rank, node in enumerate(kids):
-            scores[node] = base / (rank + 1)
-    return scores
 
 
 class SporkPolicy:
@@ -94,13 +69,10 @@ class SporkPolicy:
         self.fallbacks = 0
         self.last: dict[str, float | int | bool | None] = {}
 
-    def next_k(self, generated: int) -> int:
-        return self.depth
-
-    def next_shape(self, generated: int) -> TreeShape:
+    def next_shape(self, generated: int) -> DraftShape:
         model_depth = min(self.depth, self.model_depth) if self.draft_cost else None
-        return TreeShape(
-            self.spec.tree, self.forks, self.depth, self.spec.budget, self.tau, model_depth
+        return DraftShape(
+            self.depth, self.spec.tree, self.forks, self.spec.budget, self.tau, model_depth
         )
 
     def update(self, info: RoundInfo) -> None:

@@ -149,6 +149,20 @@ def from_forks(
     return builder.build()
 
 
+def node_scores(tree: Tree) -> torch.Tensor:
+    """Rank prior [N] float64 of every node: the product of 1/(sibling rank + 1) on its path.
+
+    Rank 0 is the best candidate (the first child by node index): a Zipf-like prior for "this
+    is the continuation the target will choose".
+    """
+    scores = torch.ones(len(tree), dtype=torch.float64)  # [N]
+    for parent, kids in enumerate(children(tree)):
+        base = 1.0 if parent == 0 else float(scores[parent - 1])
+        for rank, node in enumerate(kids):
+            scores[node] = base / (rank + 1)
+    return scores
+
+
 def depths(tree: Tree) -> torch.Tensor:
     """Depth of every node [N] int64: 1 for the root's children (the root has depth 0)."""
     out: list[int] = []

@@ -23,10 +23,19 @@ from specfork.sampling import sample
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """Outcome of verifying one chain: `accepted` draft tokens, then `tokens` to emit."""
+    """Outcome of verifying a draft (a chain or a tree): the accepted path, then the tokens.
 
-    accepted: int
-    tokens: list[int]  # the accepted draft tokens followed by one token from the target
+    For a chain the path is nodes 0..accepted-1; for a tree, the accepted nodes from the
+    root's child down.
+    """
+
+    path: list[int]  # accepted node indices, root's child first, deepest last
+    tokens: list[int]  # the accepted nodes' tokens followed by one token from the target
+
+    @property
+    def accepted(self) -> int:
+        """Number of accepted drafted tokens (the target's token not included)."""
+        return len(self.path)
 
 
 def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
@@ -35,7 +44,7 @@ def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
     k = draft.shape[0]
     agree = (draft == target[:k]).int().cumprod(0)  # [K] 1 while the prefix matches
     n = int(agree.sum())
-    return Verdict(n, [*draft[:n].tolist(), int(target[n])])
+    return Verdict(list(range(n)), [*draft[:n].tolist(), int(target[n])])
 
 
 def one_hot_q(draft: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -57,9 +66,9 @@ def verify_sampling(
     u = torch.rand(k, generator=generator, device=p.device)  # [K]
     rejected = (u * q_x >= p_x).nonzero()  # u >= p/q  ⇔  rejection
     if rejected.numel() == 0:
-        return Verdict(k, [*draft.tolist(), int(sample(p[k], generator))])
+        return Verdict(list(range(k)), [*draft.tolist(), int(sample(p[k], generator))])
     n = int(rejected[0])
     residual = (p[n] - q[n]).clamp_min(0)  # [V]
     total = residual.sum()
     residual = residual / total if total > 0 else p[n]
-    return Verdict(n, [*draft[:n].tolist(), int(sample(residual, generator))])
+    return Verdict(list(range(n)), [*draft[:n].tolist(), int(sample(residual, generator))])

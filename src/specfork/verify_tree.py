@@ -15,26 +15,12 @@ every round emits at least one token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from specfork.errors import ConfigError
 from specfork.sampling import sample
 from specfork.tree import Tree, children, paths
-
-
-@dataclass(frozen=True, slots=True)
-class TreeVerdict:
-    """Outcome of verifying one tree."""
-
-    path: list[int]  # accepted node indices, root's child first, deepest last
-    tokens: list[int]  # the accepted nodes' tokens followed by one token from the target
-
-    @property
-    def accepted(self) -> int:
-        """Number of accepted drafted tokens (the target's token not included)."""
-        return len(self.path)
+from specfork.verify import Verdict
 
 
 def _check_rows(tree: Tree, rows: torch.Tensor, name: str) -> None:
@@ -45,7 +31,7 @@ def _check_rows(tree: Tree, rows: torch.Tensor, name: str) -> None:
         )
 
 
-def verify_tree_greedy(tree: Tree, target_logits: torch.Tensor) -> TreeVerdict:
+def verify_tree_greedy(tree: Tree, target_logits: torch.Tensor) -> Verdict:
     """Greedy verification of a tree against the target's logits [N + 1, V].
 
     From the root, move to the first child (by node index) whose token equals the target's
@@ -62,14 +48,14 @@ def verify_tree_greedy(tree: Tree, target_logits: torch.Tensor) -> TreeVerdict:
     while True:
         nxt = next((c for c in kids[row] if tokens[c] == target[row]), None)
         if nxt is None:
-            return TreeVerdict(path, [*(tokens[i] for i in path), int(target[row])])
+            return Verdict(path, [*(tokens[i] for i in path), int(target[row])])
         path.append(nxt)
         row = nxt + 1
 
 
 def verify_tree_sampling(
     tree: Tree, p: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator
-) -> TreeVerdict:
+) -> Verdict:
     """Lossless multi-candidate speculative sampling of a tree: p [N + 1, V], q [N, V] | None.
 
     At the current row, with target distribution r = p[row], the children are tried in order.
@@ -127,14 +113,14 @@ def verify_tree_sampling(
             # correct limit, and it avoids dividing by zero.
             r = residual / total if total > 0 else r
         if accepted is None:
-            return TreeVerdict(path, [*(tokens[i] for i in path), int(sample(r, generator))])
+            return Verdict(path, [*(tokens[i] for i in path), int(sample(r, generator))])
         path.append(accepted)
         row = accepted + 1
 
 
 def verify_tree_typical(
     tree: Tree, p: torch.Tensor, epsilon: float = 0.09, delta: float = 0.3
-) -> TreeVerdict:
+) -> Verdict:
     """LOSSY typical acceptance (Medusa): accept plausible tokens, not exact sampling from p.
 
     A node x is acceptable when r(x) > min(epsilon, delta * exp(-H(r))), with r = p at its
@@ -170,4 +156,4 @@ def verify_tree_typical(
             best = candidate[:n]
     last_row = best[-1] + 1 if best else 0
     tokens = tree.tokens.tolist()
-    return TreeVerdict(best, [*(tokens[i] for i in best), int(p[last_row].argmax())])
+    return Verdict(best, [*(tokens[i] for i in best), int(p[last_row].argmax())])

@@ -1,63 +1,172 @@
-"""The Drafter protocol and the Draft it returns.
+"""The drafter protocol: what the engine asks of a drafter, and what it tells it back.
 
-A drafter proposes tokens that continue the committed history (prompt + accepted output). The
-engine verifies them with one target forward and then tells the drafter how much of the history
-is final (`rollback`), so a drafter with its own KV cache can drop what was rejected.
+Every round the policy chooses a `DraftShape`; the drafter proposes a scored tree below the
+last emitted token (a chain is a tree with one path) as a `Draft`; the target verifies every
+node in one forward; the drafter then receives `Feedback`: how much of the history is final
+(rollback point), the accepted path and, when it asks for them, the target's logits at every
+row of that forward (and at every prompt row during prefill).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from specfork.config import SamplingParams
+from specfork.errors import ConfigError
+from specfork.tree import Tree, chain
+
+SHAPE_KINDS = ("chain", "forks", "dynamic")
+
+
+@dataclass(frozen=True, slots=True)
+class DraftShape:
+    """What a drafter is asked to grow this round (chosen by the draft policy).
+
+    `depth` bounds every path (a chain's length K); a chain drafter reads nothing else. Tree
+    drafters read `kind` ("forks": `forks` first tokens, each continued; "dynamic": the
+    `budget` best nodes, branching by `forks`), `budget` (most nodes), `tau` (prior-score
+    threshold) and `model_depth` (deepest level a model source drafts; None = depth).
+    """
+
+    depth: int
+    kind: str = "chain"
+    forks: int = 1
+    budget: int | None = None
+    tau: float = 0.0
+    model_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in SHAPE_KINDS:
+            raise ConfigError(f"draft shape kind must be one of {SHAPE_KINDS}, got {self.kind!r}")
+        for name in ("depth", "forks", "budget", "model_depth"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"draft shape {name} must be an integer, got {value!r}")
+            if value is not None and value < 0:
+                raise ConfigError(f"draft shape {name} must be >= 0, got {value}")
+        if not self.tau >= 0:
+            raise ConfigError(f"draft shape tau must be >= 0, got {self.tau}")
+
+    @property
+    def max_nodes(self) -> int:
+        """Most nodes the shape allows."""
+        if self.budget is not None:
+            return self.budget
+        return self.depth if self.kind == "chain" else self.forks * self.depth
 
 
 @dataclass(frozen=True, slots=True)
 class Draft:
-    """K proposed tokens, with q where the drafter has a distribution.
+    """A proposed tree (a chain: one path), with q where the drafter sampled its tokens.
 
-    `q[i]` is the distribution tokens[i] was drawn from (after the request's sampling
-    transforms); None for deterministic proposals (n-gram lookup), which are treated as
-    one-hot q. `forwards` counts the drafter's model forwards spent on this draft. A tree
-    draft (SPORK) also has `parents`; a chain has None.
+    `q[i]` is the distribution node i's token was drawn from (after the request's sampling
+    transforms); None for deterministic proposals (n-gram lookup, top-K forks, greedy
+    drafting), which verification treats as one-hot q. `scores[i]` is node i's prior score
+    (how likely the target is to accept it: a cumulative draft probability or a rank prior),
+    non-increasing along every path; None when the drafter has none. `forwards` counts the
+    drafter's model forwards spent on it; `source` names what produced it (e.g. "ngram-3"),
+    for acceptance statistics.
     """
 
-    tokens: torch.Tensor  # [K] int64
-    q: torch.Tensor | None = None  # [K, V] float32
+    tree: Tree
+    q: torch.Tensor | None = None  # [N, V] float32
+    scores: torch.Tensor | None = None  # [N] float64
     forwards: int = 0
-    parents: torch.Tensor | None = None  # [K] int64 for a tree: parent node, -1 = the root
-    source: str = ""  # what produced it, for acceptance statistics (e.g. "ngram-3")
-    scores: torch.Tensor | None = None  # [K] float64: a tree node's prior score (SPORK)
+    source: str = ""
 
     def __len__(self) -> int:
-        return int(self.tokens.shape[0])
+        return len(self.tree)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The nodes' tokens [N] int64."""
+        return self.tree.tokens
+
+    @property
+    def is_chain(self) -> bool:
+        """Whether every node is the child of the one before (no branching)."""
+        n = len(self.tree)
+        return bool(torch.equal(self.tree.parents.cpu(), torch.arange(n) - 1))
 
     def head(self, k: int) -> Draft:
-        """The first k tokens (and their q) of a chain draft."""
+        """The first k tokens (their q and scores) of a chain draft."""
         if k >= len(self):
             return self
         q = None if self.q is None else self.q[:k]
-        return Draft(self.tokens[:k], q, self.forwards, None, self.source)
+        scores = None if self.scores is None else self.scores[:k]
+        return Draft(chain(self.tokens[:k]), q, scores, self.forwards, self.source)
 
 
-EMPTY_DRAFT = Draft(tokens=torch.empty(0, dtype=torch.long))
+def chain_draft(
+    tokens: torch.Tensor | list[int],
+    q: torch.Tensor | None = None,
+    *,
+    scores: torch.Tensor | None = None,
+    forwards: int = 0,
+    source: str = "",
+) -> Draft:
+    """A chain draft of `tokens` [K]."""
+    return Draft(chain(tokens), q, scores, forwards, source)
+
+
+EMPTY_DRAFT = chain_draft(torch.empty(0, dtype=torch.long))
+
+
+@dataclass(frozen=True, slots=True)
+class Feedback:
+    """What one target forward taught: sent to the drafter after prefill chunks and rounds.
+
+    `committed`: the first `committed` history tokens are final — anything a drafter cached
+    beyond them was rejected. `tokens` [T] are the forward's input rows (a prefill chunk, or
+    the round's root followed by the draft's nodes) and `path` the accepted nodes (empty for
+    prefill). `logits` [T, V] are the target's logits at those rows, present when the drafter
+    `wants_logits`.
+    """
+
+    committed: int
+    tokens: torch.Tensor  # [T] int64
+    path: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [T, V]
 
 
 class Drafter(Protocol):
-    """Anything that can propose continuations of the committed history."""
+    """Anything that proposes scored trees continuing the committed history.
+
+    `cost`: target forwards one drafting step costs (0 for sources that run no model: their
+    drafts are trimmed after drafting; a costly drafter is asked for fewer tokens instead).
+    `wants_logits`: the engine runs the prompt row by row and passes the target's logits in
+    every `Feedback` (Token Recycling learns from them).
+    """
 
     name: str
+    cost: float
+    wants_logits: bool
 
     def begin(self, prompt_ids: list[int]) -> None:
-        """Start a new request (prefill a draft model, index the prompt, ...)."""
+        """Start a new request (reset a draft model's cache, clear per-request tables, ...)."""
 
     def propose(
-        self, history: list[int], budget: int, sampling: SamplingParams, rng: torch.Generator
+        self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator
     ) -> Draft:
-        """Up to `budget` tokens continuing `history` (prompt + output so far)."""
+        """A tree within `shape` continuing `history` (prompt + output so far)."""
 
-    def rollback(self, length: int) -> None:
-        """Only the first `length` tokens of the history are final; forget anything later."""
+    def observe(self, feedback: Feedback) -> None:
+        """Learn what the target's forward decided; forget anything past `committed`."""
+
+
+def check_drafter(drafter: object) -> None:
+    """Raise ConfigError naming what a custom drafter lacks of the `Drafter` protocol."""
+    missing = [
+        name
+        for name in ("name", "cost", "wants_logits", "begin", "propose", "observe")
+        if not hasattr(drafter, name)
+    ]
+    if missing:
+        raise ConfigError(
+            f"the drafter {type(drafter).__name__} lacks {', '.join(missing)} of the Drafter "
+            "protocol (specfork.drafters.base.Drafter): give it name, cost (0.0 for a drafter "
+            "that runs no model), wants_logits, begin(), propose() and observe()"
+        )

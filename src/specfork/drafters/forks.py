@@ -24,11 +24,9 @@ from __future__ import annotations
 import torch
 
 from specfork.config import SamplingParams
-from specfork.drafters.base import Draft, Drafter
-from specfork.drafters.model import ModelDrafter
+from specfork.drafters.base import Draft, Drafter, DraftShape, Feedback
 from specfork.drafters.recycle import RecycleTable
-from specfork.spork import TreeShape, node_scores
-from specfork.tree import Tree, TreeBuilder, prune
+from specfork.tree import Tree, TreeBuilder, node_scores, prune
 
 GREEDY = SamplingParams()
 RECYCLE_WIDTH = 8  # successors kept per token: enough for the widest adapted tree
@@ -47,70 +45,59 @@ class ForkDrafter:
         persist: bool = False,
         prior: torch.Tensor | None = None,
     ) -> None:
-        """`prior` [V, width]: the recycle table every request starts from (`recycle_prior`)."""
+        """`chains`: the other sources (any drafters), by name. `prior` [V, width]: the recycle
+        table every request starts from (`recycle_prior`)."""
         self.table = RecycleTable(vocab_size, width, prior=prior) if recycle else None
         self.persist = persist
         self.chains = chains
         self.name = "+".join([*(["recycle"] if recycle else []), *chains])
-        self.wants_prefill_logits = recycle
-        # target forwards one level of model drafting costs (SporkPolicy's model depth)
-        self.draft_cost = sum(c.cost for c in chains.values() if isinstance(c, ModelDrafter))
-        self.forwards = 0
+        self.wants_logits = recycle or any(c.wants_logits for c in chains.values())
+        # target forwards one level of drafting costs (SporkPolicy's model depth)
+        self.cost = sum(c.cost for c in chains.values())
 
     def begin(self, prompt_ids: list[int]) -> None:
         if self.table is not None and not self.persist:
             self.table.reset()
-        for chain in self.chains.values():
-            chain.begin(prompt_ids)
+        for source in self.chains.values():
+            source.begin(prompt_ids)
 
-    def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
-        """The target's logits [T, V] at input rows `tokens` [T] (prefill or verification)."""
-        if self.table is not None:
-            self.table.update(tokens, logits)
+    def observe(self, feedback: Feedback) -> None:
+        """The recycle table learns the target's logits; every source hears the feedback."""
+        if self.table is not None and feedback.logits is not None:
+            self.table.update(feedback.tokens, feedback.logits)
+        for source in self.chains.values():
+            source.observe(feedback)
 
-    def propose_tree(
-        self, history: list[int], shape: TreeShape, max_depth: int, max_nodes: int
-    ) -> tuple[Draft, Tree]:
-        """A tree below history[-1], at most `max_depth` deep and `max_nodes` nodes."""
-        depth = min(shape.depth, max_depth)
-        model_depth = depth if shape.model_depth is None else min(depth, shape.model_depth)
+    def propose(
+        self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator
+    ) -> Draft:
+        """A tree below history[-1] within `shape`: every source's tree merged into one trie.
+
+        Sources draft greedily (deterministic proposals, one-hot q in verification); a node
+        proposed by several sources keeps its best prior score.
+        """
         builder = TreeBuilder()
         scores: dict[int, float] = {}  # node -> best prior score over the sources proposing it
         forwards = 0
-        if depth >= 1:
-            rng = torch.Generator()  # unused: chains draft greedily (deterministic)
-            for chain in self.chains.values():
-                if isinstance(chain, ModelDrafter) and shape.kind == "dynamic":
-                    tree, prior, n = chain.propose_dynamic(history, shape.forks, model_depth)
-                    forwards += n
-                    _add_tree(builder, scores, tree, prior)
-                elif isinstance(chain, ModelDrafter):
-                    paths, probs, n = chain.propose_forks(history, shape.forks, model_depth)
-                    forwards += n
-                    for path, prob in zip(paths, probs, strict=True):
-                        _add_path(builder, scores, path, prob)
-                else:
-                    draft = chain.propose(history, depth, GREEDY, rng)
-                    forwards += draft.forwards
-                    _add_path(builder, scores, draft.tokens.tolist(), [1.0] * len(draft))
+        if shape.depth >= 1:
+            for source in self.chains.values():
+                draft = source.propose(history, shape, GREEDY, rng)
+                forwards += draft.forwards
+                prior = draft.scores if draft.scores is not None else node_scores(draft.tree)
+                _add_tree(builder, scores, draft.tree, prior.tolist())
             if self.table is not None:
-                recycled = self._recycled(history[-1], shape, depth)
+                recycled = self._recycled(history[-1], shape)
                 _add_tree(builder, scores, recycled, node_scores(recycled).tolist())
         built = builder.build()
         prior = torch.tensor([scores[i] for i in range(len(built))], dtype=torch.float64)  # [N]
-        tree, kept = _cap(built, prior, shape.tau, min(shape.budget, max_nodes))
-        draft = Draft(tree.tokens, None, forwards, tree.parents, self.name, prior[kept])
-        return draft, tree
+        tree, kept = _cap(built, prior, shape.tau, shape.max_nodes)
+        return Draft(tree, None, prior[kept], forwards, self.name)
 
-    def _recycled(self, root: int, shape: TreeShape, depth: int) -> Tree:
+    def _recycled(self, root: int, shape: DraftShape) -> Tree:
         assert self.table is not None
         if shape.kind == "dynamic":
-            return self.table.build_dynamic(root, shape.budget, depth, branch=shape.forks)
-        return self.table.build_forks(root, shape.forks, depth)
-
-    def rollback(self, length: int) -> None:
-        for chain in self.chains.values():
-            chain.rollback(length)
+            return self.table.build_dynamic(root, shape.max_nodes, shape.depth, branch=shape.forks)
+        return self.table.build_forks(root, shape.forks, shape.depth)
 
 
 def _add_tree(
@@ -122,13 +109,6 @@ def _add_tree(
     for token, parent, score in rows:
         index.append(builder.add(-1 if parent < 0 else index[parent], token))
         scores[index[-1]] = max(scores.get(index[-1], 0.0), score)
-
-
-def _add_path(
-    builder: TreeBuilder, scores: dict[int, float], tokens: list[int], prior: list[float]
-) -> None:
-    for node, score in zip(builder.add_path(tokens), prior, strict=True):
-        scores[node] = max(scores.get(node, 0.0), score)
 
 
 def _cap(tree: Tree, scores: torch.Tensor, tau: float, max_nodes: int) -> tuple[Tree, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 
 from specfork.cache import KVCache
 from specfork.config import SamplingParams
-from specfork.drafters.base import Draft
+from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback, chain_draft
 from specfork.errors import ConfigError
 from specfork.models.base import DecoderLM
 from specfork.sampling import probabilities, sample
@@ -42,6 +42,7 @@ class ModelDrafter:
         self.model = model
         self.layers = layers
         self.name = name
+        self.wants_logits = False
         self.cache: KVCache = model.new_cache(max_len)
         self.cost = step_weights(model, layers) / step_weights(model) if cost is None else cost
 
@@ -59,13 +60,36 @@ class ModelDrafter:
             self.cache = self.model.new_cache(min(max(length, 2 * self.cache.max_len), limit))
 
     def propose(
+        self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator
+    ) -> Draft:
+        """A chain, or for a tree shape greedy forks / an EAGLE-2 tree (`propose_forks`,
+        `propose_dynamic`) up to `shape.model_depth` deep, scored by cumulative draft q."""
+        depth = shape.depth if shape.model_depth is None else min(shape.depth, shape.model_depth)
+        if depth < 1:
+            return EMPTY_DRAFT
+        if shape.kind == "chain":
+            return self._chain(history, depth, sampling, rng)
+        if shape.kind == "dynamic":
+            tree, scores, n = self.propose_dynamic(history, shape.forks, depth)
+        else:
+            paths, probs, n = self.propose_forks(history, shape.forks, depth)
+            builder = TreeBuilder()
+            nodes = [node for path in paths for node in builder.add_path(path)]
+            best = dict.fromkeys(nodes, 0.0)  # node -> best cumulative q (merged prefixes)
+            for node, prob in zip(nodes, (q for qs in probs for q in qs), strict=True):
+                best[node] = max(best[node], prob)
+            tree, scores = builder.build(), [best[i] for i in range(len(best))]
+        prior = torch.tensor(scores, dtype=torch.float64)  # [N]
+        return Draft(tree, None, prior, n, self.name)
+
+    def _chain(
         self, history: list[int], budget: int, sampling: SamplingParams, rng: torch.Generator
     ) -> Draft:
         """Catch up on the history not yet in the cache, then draft `budget` tokens."""
         self._ensure_room(len(history) + budget)
         budget = min(budget, self.cache.max_len - len(history))
         if budget < 1:
-            return Draft(torch.empty(0, dtype=torch.long))
+            return EMPTY_DRAFT
         if self.cache.length >= len(history):  # need the last token's logits again
             self.cache.truncate(len(history) - 1)
         logits = self.model.extend(history[self.cache.length :], self.cache, layers=self.layers)
@@ -80,12 +104,8 @@ class ModelDrafter:
                 tokens.append(int(sample(q, rng)))
             if i + 1 < budget:
                 logits = self.model.extend(tokens[-1:], self.cache, layers=self.layers)
-        return Draft(
-            tokens=torch.tensor(tokens, device=self.model.device),
-            q=torch.stack(qs) if qs else None,  # [K, V]
-            forwards=budget,
-            source=self.name,
-        )
+        q = torch.stack(qs) if qs else None  # [K, V]
+        return chain_draft(torch.tensor(tokens), q, forwards=budget, source=self.name)
 
     def propose_forks(
         self, history: list[int], forks: int, depth: int
@@ -160,8 +180,8 @@ class ModelDrafter:
         last = torch.tensor([sum(len(p) for p in paths[: j + 1]) - 1 for j in range(len(paths))])
         return self.model.logits(hidden[0, last.to(dev)])  # [K, V]
 
-    def rollback(self, length: int) -> None:
-        self.cache.truncate(min(self.cache.length, length))
+    def observe(self, feedback: Feedback) -> None:
+        self.cache.truncate(min(self.cache.length, feedback.committed))
 
 
 def step_weights(model: DecoderLM, layers: Sequence[int] | None = None) -> int:

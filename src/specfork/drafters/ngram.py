@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from specfork.config import SamplingParams
-from specfork.drafters.base import Draft
+from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
 from specfork.errors import ConfigError
 
 
@@ -19,6 +19,8 @@ class NgramDrafter:
     """n-gram lookup over the request's own tokens; no model, no state beyond the history."""
 
     name = "ngram"
+    cost = 0.0
+    wants_logits = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not (isinstance(min_ngram, int) and isinstance(max_ngram, int)):
@@ -34,14 +36,17 @@ class NgramDrafter:
         return None
 
     def propose(
-        self, history: list[int], budget: int, sampling: SamplingParams, rng: torch.Generator
+        self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator
     ) -> Draft:
+        """A chain of up to `shape.depth` tokens (prior score 1 each: a certain guess)."""
         h = torch.tensor(history, dtype=torch.long)  # [L]
         for n in range(min(self.max_ngram, len(h) - 1), self.min_ngram - 1, -1):
             start = self._latest_match(h, n)
             if start is not None:
-                return Draft(tokens=h[start + n : start + n + budget].clone(), source=f"ngram-{n}")
-        return Draft(tokens=torch.empty(0, dtype=torch.long))
+                tokens = h[start + n : start + n + shape.depth].clone()  # [K]
+                scores = torch.ones(len(tokens), dtype=torch.float64)  # [K]
+                return chain_draft(tokens, scores=scores, source=f"ngram-{n}")
+        return chain_draft(torch.empty(0, dtype=torch.long))
 
     @staticmethod
     def _latest_match(h: torch.Tensor, n: int) -> int | None:
@@ -50,5 +55,5 @@ class NgramDrafter:
         hits = (windows == h[-n:]).all(dim=1).nonzero()  # [M, 1]
         return int(hits[-1]) if hits.numel() else None
 
-    def rollback(self, length: int) -> None:
+    def observe(self, feedback: Feedback) -> None:
         return None

@@ -33,7 +33,7 @@ def build_strategy(
         return None, None
     if spec.strategy == "spork":
         forks = build_fork_drafter(spec, target) if with_drafter else None
-        return forks, SporkPolicy(spec, draft_cost=forks.draft_cost if forks else 0.0)
+        return forks, SporkPolicy(spec, draft_cost=forks.cost if forks else 0.0)
     if spec.strategy == "dspark":
         policy: DraftPolicy = DSparkPolicy(spec)
     else:

@@ -1,0 +1,122 @@
+"""Two versions of specfork side by side: is a change (a refactor) free of slowdowns?
+
+Each version runs in its own worker process (PYTHONPATH = its `src` folder), loads the default
+model once, builds every strategy and warms it up; then the prompts are sent to the two workers
+alternately (the version that goes first alternates too), so both see the same machine state.
+Only one worker computes at a time. Prints, per strategy, the median decode tokens/s of each
+version, the median of the per-prompt ratios B / A, and whether both versions emitted the same
+tokens (greedy, EOS ignored).
+
+    git worktree add /tmp/specfork-old <old commit>
+    python benchmarks/ab_versions.py /tmp/specfork-old . \\
+        --prompts benchmarks/prompts/specbench-dev.jsonl --per-category 1 -n 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+STRATEGIES = {
+    "plain": {},
+    "ngram k=4": {"strategy": "speculative", "drafter": "ngram", "k": 4},
+    "dspark ngram": {"strategy": "dspark", "drafter": "ngram"},
+    "spork recycle+ngram": {"strategy": "spork", "drafter": "recycle+ngram"},
+}
+
+WORKER = r"""
+import json, sys
+from specfork.config import GenerationConfig, SpecConfig
+from specfork.engine import Generator
+from specfork.loading.loader import load_model
+from specfork.loading.registry import DEFAULT_MODEL
+
+strategies = json.loads(sys.argv[1])
+n = int(sys.argv[2])
+loaded = load_model(DEFAULT_MODEL, progress=False)
+gens = {name: Generator(loaded, spec=SpecConfig(**kw)) for name, kw in strategies.items()}
+config = GenerationConfig(max_new_tokens=n, ignore_eos=True)
+for gen in gens.values():
+    gen.generate("Hello, how are you?", config=config)
+print(json.dumps({"ready": loaded.model.describe()}), flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    result = gens[job["strategy"]].generate(job["prompt"], config=config)
+    out = {"tok_s": result.stats.decode_tokens_per_second, "ids": result.token_ids}
+    print(json.dumps(out), flush=True)
+"""
+
+
+class Worker:
+    """One version's worker process."""
+
+    def __init__(self, root: Path, n: int) -> None:
+        env = {**os.environ, "PYTHONPATH": str(root / "src")}
+        args = [sys.executable, "-c", WORKER, json.dumps(STRATEGIES), str(n)]
+        self.proc = subprocess.Popen(
+            args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.describe = self._read()["ready"]
+
+    def _read(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"a worker stopped (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, strategy: str, prompt: str) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"strategy": strategy, "prompt": prompt}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("a", type=Path, help="version A: a specfork checkout (the baseline)")
+    ap.add_argument("b", type=Path, help="version B: a specfork checkout (the change)")
+    ap.add_argument("--prompts", type=Path, default=Path("benchmarks/prompts/specbench-dev.jsonl"))
+    ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    sys.path.insert(0, str(args.b / "src"))
+    from specfork.bench.prompts import load_prompts, select_prompts
+
+    picked = select_prompts(load_prompts(args.prompts), per_category=args.per_category)
+    prompts = [p.text for p in picked]
+    workers = {"A": Worker(args.a, args.max_new_tokens), "B": Worker(args.b, args.max_new_tokens)}
+    print(f"A: {workers['A'].describe}; B: {workers['B'].describe}; {len(prompts)} prompts")
+    rows: dict[str, dict[str, list]] = {s: {"A": [], "B": [], "same": []} for s in STRATEGIES}
+    for i, prompt in enumerate(prompts):
+        for strategy in STRATEGIES:
+            order = ("A", "B") if i % 2 == 0 else ("B", "A")
+            out = {v: workers[v].run(strategy, prompt) for v in order}
+            rows[strategy]["A"].append(out["A"]["tok_s"])
+            rows[strategy]["B"].append(out["B"]["tok_s"])
+            rows[strategy]["same"].append(out["A"]["ids"] == out["B"]["ids"])
+    for worker in workers.values():
+        worker.close()
+    print("| strategy | A tok/s | B tok/s | B / A (median of per-prompt ratios) | same tokens |")
+    print("|---|---|---|---|---|")
+    for strategy, r in rows.items():
+        ratio = statistics.median(b / a for a, b in zip(r["A"], r["B"], strict=True))
+        same = f"{sum(r['same'])}/{len(r['same'])}"
+        print(
+            f"| {strategy} | {statistics.median(r['A']):.1f} | {statistics.median(r['B']):.1f} "
+            f"| {ratio:.3f} | {same} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""One request in flight: everything it owns while the engine decodes it.
+
+The engine's rounds read and write only this object (and the model), so that the state of
+several requests can live side by side: its token history, its KV cache, its strategy (spec,
+drafter and policy state), its goodput gate, its sampling parameters and random generator, its
+output and its statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specfork.cache import KVCache
+from specfork.config import SamplingParams, SpecConfig
+from specfork.drafters.base import Drafter
+from specfork.goodput import GoodputGate, TreeGate
+from specfork.metrics import GenerationStats
+from specfork.output import OutputBuilder
+from specfork.policies import DraftPolicy
+
+
+@dataclass(eq=False)
+class Request:
+    """A request's state; `history` is the prompt plus every token emitted so far."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    rng: torch.Generator
+    cache: KVCache
+    out: OutputBuilder
+    stats: GenerationStats
+    spec: SpecConfig
+    drafter: Drafter | None = None
+    policy: DraftPolicy | None = None
+    gate: GoodputGate | TreeGate | None = None
+    history: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.history:
+            self.history = list(self.prompt_ids)
+
+    @property
+    def generated(self) -> int:
+        """Output tokens emitted so far."""
+        return len(self.history) - len(self.prompt_ids)
+
+    @property
+    def room(self) -> int:
+        """Output tokens this request may still emit (its budget and its cache both allow)."""
+        left = self.out.max_tokens - len(self.out.token_ids)
+        return min(left, self.cache.max_len - self.cache.length)

@@ -1,0 +1,167 @@
+"""One decoding round: propose → verify (one target forward) → accept → commit → learn.
+
+A chain is a tree with one path, so one round serves every strategy: plain decoding (the empty
+draft: the target runs on the last emitted token alone), chains (speculative, DSpark) and trees
+(SPORK). Chains keep two fast paths: the target runs them without a tree mask, and the
+vectorised chain check accepts them. `history[-1]` of the request is the last emitted token,
+not yet in the target's cache: it is the root the draft hangs below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback
+from specfork.goodput import GoodputGate, TreeGate
+from specfork.metrics import RoundRecord
+from specfork.models.base import DecoderLM
+from specfork.policies import RoundInfo
+from specfork.request import Request
+from specfork.sampling import probabilities
+from specfork.tree import cache_indices, children, depths, prune, tree_mask, tree_positions
+from specfork.verify import Verdict, one_hot_q, verify_greedy, verify_sampling
+from specfork.verify_tree import verify_tree_greedy, verify_tree_sampling, verify_tree_typical
+
+NO_SHAPE = DraftShape(0)
+
+
+def run_round(model: DecoderLM, req: Request) -> list[int]:
+    """One round of `req`; returns the tokens to emit (the accepted ones, then the target's)."""
+    shape, proposed, draft = propose(req)
+    start = req.cache.length
+    logits = verify_forward(model, req, draft)  # [N + 1, V]
+    verdict = accept(req, draft, logits)
+    commit(req, draft, verdict, start, logits)
+    learn(req, shape, proposed, draft, verdict, logits)
+    return verdict.tokens
+
+
+def propose(req: Request) -> tuple[DraftShape, Draft, Draft]:
+    """The policy's shape fitted to the request, the drafter's proposal, and what the goodput
+    gate keeps of it (shape, proposed, draft)."""
+    if req.drafter is None or req.policy is None:
+        return NO_SHAPE, EMPTY_DRAFT, EMPTY_DRAFT
+    shape = fit_shape(req, req.policy.next_shape(req.generated))
+    if shape.depth < 1 or shape.max_nodes < 1:
+        return shape, EMPTY_DRAFT, EMPTY_DRAFT
+    proposed = req.drafter.propose(req.history, shape, req.sampling, req.rng)
+    return shape, proposed, gated(req, proposed)
+
+
+def fit_shape(req: Request, shape: DraftShape) -> DraftShape:
+    """`shape` within the request's room: every path leaves a slot for the target's token,
+    every node needs a cache slot, and a costly drafter is asked only for what pays."""
+    assert req.drafter is not None
+    depth = min(shape.depth, req.room - 1)
+    budget = shape.budget
+    if shape.kind != "chain":
+        budget = min(shape.max_nodes, req.cache.max_len - req.cache.length - 1)
+    if isinstance(req.gate, GoodputGate) and req.drafter.cost > 0 and depth > 0:
+        depth = min(depth, req.gate.length(req.drafter.name, depth, req.drafter.cost))
+    return dataclasses.replace(shape, depth=max(depth, 0), budget=budget)
+
+
+def gated(req: Request, proposed: Draft) -> Draft:
+    """What the goodput gate keeps of a draft: a chain's best head (free sources: a costly
+    drafter was asked for fewer tokens instead), a tree's best-scored nodes."""
+    gate, drafter = req.gate, req.drafter
+    if not len(proposed) or gate is None or drafter is None:
+        return proposed
+    if isinstance(gate, GoodputGate) and drafter.cost == 0:
+        return proposed.head(gate.length(proposed.source, len(proposed)))
+    if isinstance(gate, TreeGate) and proposed.scores is not None:
+        keep = gate.keep(proposed.scores.tolist(), depths(proposed.tree).tolist())
+        tree, index = prune(proposed.tree, torch.tensor(keep, dtype=torch.bool))
+        kept = index >= 0  # [N]
+        q = None if proposed.q is None else proposed.q[kept]
+        return Draft(tree, q, proposed.scores[kept], proposed.forwards, proposed.source)
+    return proposed
+
+
+def verify_forward(model: DecoderLM, req: Request, draft: Draft) -> torch.Tensor:
+    """The target's logits [N + 1, V] at the root and every node, in one forward."""
+    t0 = time.perf_counter()
+    root = req.history[-1]
+    if draft.is_chain:
+        logits = model.extend([root, *draft.tokens.tolist()], req.cache, last_only=False)
+    else:
+        start = req.cache.length
+        inputs = torch.tensor([root, *draft.tokens.tolist()], device=model.device)  # [N + 1]
+        mask = tree_mask(draft.tree).to(model.device)  # [N + 1, N + 1]
+        positions = tree_positions(draft.tree, start).to(model.device)  # [N + 1]
+        hidden = model(inputs[None], positions, req.cache, mask=mask)  # [1, N + 1, D]
+        logits = model.logits(hidden[0])  # [N + 1, V]
+    req.stats.verify_seconds += time.perf_counter() - t0
+    return logits
+
+
+def accept(req: Request, draft: Draft, logits: torch.Tensor) -> Verdict:
+    """Which drafted nodes the target accepts, and its own next token (lossless unless the
+    request asked for Medusa's typical acceptance)."""
+    sampling, spec = req.sampling, req.spec
+    if spec.lossy_typical:
+        p = logits.softmax(-1) if sampling.greedy else probabilities(logits, sampling)
+        return verify_tree_typical(draft.tree, p, spec.typical_epsilon, spec.typical_delta)
+    if draft.is_chain:  # the vectorised chain check
+        drafted = draft.tokens.to(logits.device)  # [K]
+        if sampling.greedy:
+            return verify_greedy(drafted, logits)
+        p = probabilities(logits, sampling)  # [K + 1, V]
+        q = draft.q if draft.q is not None else one_hot_q(drafted, p.shape[-1])  # [K, V]
+        return verify_sampling(drafted, p, q, req.rng)
+    if sampling.greedy:
+        return verify_tree_greedy(draft.tree, logits)
+    return verify_tree_sampling(draft.tree, probabilities(logits, sampling), draft.q, req.rng)
+
+
+def commit(req: Request, draft: Draft, verdict: Verdict, start: int, logits: torch.Tensor) -> None:
+    """Keep the accepted path in the cache (slot `start` holds the root) and tell the drafter."""
+    if draft.is_chain:
+        req.cache.truncate(start + 1 + verdict.accepted)  # drop the rejected drafts' entries
+    else:
+        req.cache.keep(cache_indices(verdict.path, start), start)  # the path, compacted
+    if req.drafter is None:
+        return
+    rows = torch.tensor([req.history[-1], *draft.tokens.tolist()], device=logits.device)
+    wanted = logits if req.drafter.wants_logits else None
+    committed = len(req.history) + verdict.accepted
+    req.drafter.observe(Feedback(committed, rows, verdict.path, wanted))
+
+
+def learn(
+    req: Request,
+    shape: DraftShape,
+    proposed: Draft,
+    draft: Draft,
+    verdict: Verdict,
+    logits: torch.Tensor,
+) -> None:
+    """The gate, the policy and the statistics learn from the round."""
+    depth = int(depths(draft.tree).max()) if len(draft) else 0
+    req.stats.record_round(len(draft), verdict.accepted, depth)
+    extra: dict = {}
+    if req.drafter is not None and req.policy is not None:
+        observe_gate(req, proposed, draft, verdict)
+        req.stats.draft_forwards += draft.forwards
+        fork = children(draft.tree)[0].index(verdict.path[0]) if verdict.path else None
+        emitted = req.generated + len(verdict.tokens)
+        req.policy.update(RoundInfo(len(draft), verdict.accepted, emitted, logits, fork, depth))
+        extra = {**req.policy.trace(), "proposed": len(proposed)}  # before the gate
+        if req.spec.lossy_typical:
+            extra["lossy"] = True
+    first_rejected = len(draft) > 0 and verdict.accepted == 0
+    req.stats.rounds.append(
+        RoundRecord(len(req.stats.rounds), req.generated, shape.depth, len(draft),
+                    verdict.accepted, len(verdict.tokens), first_rejected, extra)
+    )  # fmt: skip
+
+
+def observe_gate(req: Request, proposed: Draft, draft: Draft, verdict: Verdict) -> None:
+    """A chain gate learns per source and position; a tree gate per node kind."""
+    if isinstance(req.gate, GoodputGate) and len(proposed):
+        req.gate.observe(proposed.source, proposed.tokens.tolist(), verdict.tokens)
+    elif isinstance(req.gate, TreeGate) and draft.scores is not None and len(draft):
+        req.gate.observe(draft.scores.tolist(), depths(draft.tree).tolist(), verdict.path)
