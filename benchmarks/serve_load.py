@@ -10,7 +10,7 @@ The last columns compare one request's decode speed through the server (the `spe
 object's decode_tokens_per_second, median over requests) with the library's `Generator.generate`
 on the same prompts in the same process, run on the thread that loaded the model as the server
 does: a server slower than the library per request (0.5x when the model ran on a second OpenMP
-pool, see specfork.model_thread) shows up there.
+pool, see specfork.engine.thread) shows up there.
 
     python benchmarks/serve_load.py --prompts benchmarks/prompts/specbench-dev.jsonl \
         --requests 16 --concurrency 4 --max-tokens 64
@@ -33,9 +33,9 @@ import httpx
 from specfork.cli import read_first_turns
 from specfork.config import GenerationConfig, SpecConfig
 from specfork.engine import Generator
+from specfork.engine.thread import model_thread, run_in
 from specfork.loading.loader import load_model
 from specfork.loading.registry import DEFAULT_MODEL
-from specfork.model_thread import model_thread, run_in
 from specfork.server.app import create_app
 from specfork.server.cli import serve_in_background
 

@@ -7,10 +7,10 @@ import torch
 
 from distribution import chi2_sf, chi2_stat
 from specfork.config import SpecConfig
-from specfork.dspark import EMA_START, DSparkPolicy, block_signals
 from specfork.errors import ConfigError
-from specfork.policies import RoundInfo
 from specfork.sampling import sample
+from specfork.strategies.dspark import EMA_START, DSparkPolicy, block_signals
+from specfork.strategies.policies import RoundInfo
 from specfork.verify import verify_sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,9 +16,9 @@ import torch
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
 from specfork.engine import GenerationResult, Generator
+from specfork.engine.thread import model_thread, run_in
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import LoadedModel
-from specfork.model_thread import model_thread, run_in
 
 REPLACEMENT = "\ufffd"
 PROMPT = "Write a short poem about the sea."
@@ -358,7 +358,7 @@ def test_per_request_strategy(smollm_f32: LoadedModel, first: GenerationResult) 
 def test_decoding_from_another_thread_warns_once(
     smollm_f32: LoadedModel, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The model's CPU thread pool belongs to the loading thread (specfork.model_thread)."""
+    """The model's CPU thread pool belongs to the loading thread (specfork.engine.thread)."""
     gen = Generator(smollm_f32)
     config = GenerationConfig(max_new_tokens=1)
     with caplog.at_level(logging.WARNING, logger="specfork.engine"):

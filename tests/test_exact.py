@@ -14,9 +14,9 @@ import torch
 
 from specfork.config import GenerationConfig, SpecConfig
 from specfork.engine import Generator
-from specfork.goodput import CostCurve
 from specfork.kernels import load_kernels
 from specfork.loading.loader import LoadedModel, load_model
+from specfork.models.cost import CostCurve
 from specfork.tree import Tree, tree_mask, tree_positions
 
 pytestmark = [

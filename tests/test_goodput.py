@@ -1,4 +1,4 @@
-"""The goodput gate (specfork.goodput): cost-aware draft lengths and tree budgets.
+"""The goodput gate (specfork.strategies.goodput): cost-aware draft lengths and tree budgets.
 
 Unit tests of the arithmetic, then the gate inside the engine: a drafter that is always wrong
 is turned off after a few rounds, one that is always right keeps its whole draft, and in both
@@ -13,15 +13,15 @@ import torch
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Draft, Feedback, chain_draft
 from specfork.engine import Generator
-from specfork.goodput import (
+from specfork.loading.loader import LoadedModel
+from specfork.models.cost import CostCurve
+from specfork.strategies.goodput import (
     EXPLORE_EVERY,
     AcceptanceStats,
-    CostCurve,
     GoodputGate,
     TreeGate,
     best_length,
 )
-from specfork.loading.loader import LoadedModel
 
 FLAT = CostCurve((1, 32), (1.0, 1.0))  # extra rows free
 STEEP = CostCurve((1, 2, 4, 8), (1.0, 2.0, 4.0, 8.0))  # linear: speculation cannot pay

@@ -1,4 +1,4 @@
-"""Tests of :class:`specfork.output.OutputBuilder`: stops applied token by token, streaming.
+"""Tests of :class:`specfork.engine.output.OutputBuilder`: stops applied token by token, streaming.
 
 The tokenizer is a tiny real one built here with the ``tokenizers`` library: a word-level vocabulary
 of hand-picked pieces (whole words, halves of a stop string, a stop string inside a longer token,
@@ -21,9 +21,9 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models
 
 from specfork.config import GenerationConfig
+from specfork.engine.output import OutputBuilder
 from specfork.errors import ConfigError
 from specfork.loading.tokenizer import TOKENIZER_FILE, Tokenizer
-from specfork.output import OutputBuilder
 
 REPLACEMENT = "\ufffd"
 SPECIALS = ["<unk>", "<s>", "</s>", "<|end|>"]

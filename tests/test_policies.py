@@ -4,7 +4,7 @@ import pytest
 
 from specfork.config import SpecConfig
 from specfork.errors import ConfigError
-from specfork.policies import (
+from specfork.strategies.policies import (
     POLICIES,
     ConstantK,
     HeuristicK,

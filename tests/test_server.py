@@ -27,10 +27,10 @@ from rich.console import Console
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.engine import GenerationResult, Generator
+from specfork.engine.stats import GenerationStats
+from specfork.engine.thread import model_thread, run_in
 from specfork.errors import SpecforkError
 from specfork.loading.loader import LoadedModel
-from specfork.metrics import GenerationStats
-from specfork.model_thread import model_thread, run_in
 from specfork.server.app import create_app
 from specfork.server.cli import add_serve_parser, run_serve, serve_in_background
 
@@ -530,7 +530,7 @@ def test_internal_error_is_500_and_the_server_serves_on() -> None:
 
 def test_requests_run_on_the_thread_that_loaded_the_model() -> None:
     """PyTorch's CPU thread pool runs at full speed only for the thread that created it
-    (specfork.model_thread); `specfork serve` loads the model on the thread that serves."""
+    (specfork.engine.thread); `specfork serve` loads the model on the thread that serves."""
     thread = model_thread()
     engine = run_in(thread, FakeEngine, SpecConfig(), gated=False)
     assert engine.built_in != threading.get_ident()

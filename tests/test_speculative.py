@@ -37,9 +37,9 @@ from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
 from specfork.drafters.model import ModelDrafter
 from specfork.engine import GenerationResult, Generator
-from specfork.goodput import CostCurve
 from specfork.loading.loader import LoadedModel
 from specfork.loading.registry import DEFAULT_MODEL
+from specfork.models.cost import CostCurve
 
 pytestmark = pytest.mark.slow
 

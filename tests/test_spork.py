@@ -7,8 +7,8 @@ from specfork.config import SamplingParams, SpecConfig
 from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
 from specfork.drafters.forks import ForkDrafter, _cap
 from specfork.errors import ConfigError
-from specfork.policies import RoundInfo
-from specfork.spork import SporkPolicy
+from specfork.strategies.policies import RoundInfo
+from specfork.strategies.spork import SporkPolicy
 from specfork.tree import Tree, children, depths, node_scores
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -61,7 +61,7 @@ from specfork.errors import ConfigError
 from specfork.sampling import probabilities
 from specfork.tree import Tree, chain, children
 from specfork.verify import Verdict, one_hot_q, verify_greedy, verify_sampling
-from specfork.verify_tree import (
+from specfork.verify.tree import (
     verify_tree_greedy,
     verify_tree_sampling,
     verify_tree_typical,

@@ -27,10 +27,10 @@ from specfork.config import (
     SamplingParams,
     SpecConfig,
 )
+from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError, SpecforkError
 from specfork.loading.registry import DEFAULT_MODEL
-from specfork.metrics import GenerationStats
-from specfork.policies import POLICIES, make_policy
+from specfork.strategies.policies import POLICIES, make_policy
 
 EXIT_USER_ERROR = 2
 
@@ -451,8 +451,8 @@ def _report(args: argparse.Namespace, stats: GenerationStats, err: Console) -> N
 def _scan_self(args: argparse.Namespace, err: Console) -> int:
     from rich.table import Table
 
-    from specfork.drafters.self_scan import SAMPLE_PROMPTS, scan_self_layers
     from specfork.loading.loader import load_model
+    from specfork.tools.self_scan import SAMPLE_PROMPTS, scan_self_layers
 
     GenerationConfig(max_new_tokens=args.max_new_tokens)  # validate before loading
     prompts = SAMPLE_PROMPTS if args.prompts is None else tuple(read_first_turns(args.prompts))

@@ -83,10 +83,10 @@ def run_compile(args: argparse.Namespace, err: Console) -> int:
 
 def run_calibrate(args: argparse.Namespace, err: Console) -> int:
     from specfork.bench.prompts import builtin_prompts, load_prompts, select_prompts
-    from specfork.calibrate import calibrate
     from specfork.cli import model_options, spec_from_args
     from specfork.engine import Generator
     from specfork.loading.loader import load_model
+    from specfork.tools.calibrate import calibrate
 
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
@@ -140,7 +140,7 @@ def _print_calibration(result: Any, drafter: str) -> None:
 
 
 def run_trace_plot(args: argparse.Namespace, err: Console) -> int:
-    from specfork.traceplot import plot_k_trace
+    from specfork.tools.traceplot import plot_k_trace
 
     records = read_trace(args.trace)
     missing = [key for key in ("k", "confidence") if key not in records[0]]

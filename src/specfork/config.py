@@ -214,18 +214,19 @@ class SpecConfig:
 
     "dspark" drafts with the same drafters but re-chooses K every round from a confidence
     C = (w_top1·top1 + w_margin·min(margin_scale·margin, 1) + w_ema·EMA) / Σw, mapped linearly
-    from [low, high] onto [min_k, max_k] (see `specfork.dspark`).
+    from [low, high] onto [min_k, max_k] (see `specfork.strategies.dspark`).
 
-    "spork" drafts a tree and verifies it in one pass (see `specfork.spork`): `drafter` is one
-    or more sources joined by "+" ("recycle", "ngram", "self", "model:PATH"); `tree` "forks"
+    "spork" drafts a tree and verifies it in one pass (see `specfork.strategies.spork`):
+    `drafter` is one or more sources joined by "+" ("recycle", "ngram", "self", "model:PATH");
+    `tree` "forks"
     is `forks` forks × `depth` tokens, "dynamic" the `budget` best nodes up to `depth` deep;
     nodes whose prior score is below `tau` are not verified; forks, depth and tau adapt toward
     `target_acceptance` when `adapt`. `lossy_typical` swaps exact verification for Medusa's
     typical acceptance (LOSSY: the output may differ from plain decoding).
 
     `goodput` (chains: speculative and dspark) verifies only as much of each draft as its
-    source's acceptance so far says will pay for the extra rows (see `specfork.goodput`); it
-    never changes the output.
+    source's acceptance so far says will pay for the extra rows (see
+    `specfork.strategies.goodput`); it never changes the output.
     """
 
     strategy: str = "ar"

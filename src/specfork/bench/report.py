@@ -304,7 +304,7 @@ def _rounds_by_strategy(doc: Mapping[str, Any], keys: Sequence[str]) -> dict[str
 
 
 def _plot_dspark(doc: Mapping[str, Any], out: Path) -> Path | None:
-    from specfork.traceplot import plot_k_trace
+    from specfork.tools.traceplot import plot_k_trace
 
     traces = _rounds_by_strategy(doc, ("k", "confidence"))
     if not traces:

@@ -19,7 +19,7 @@ from torch import nn
 
 from specfork.cache import KVCache
 from specfork.config import ModelConfig
-from specfork.goodput import CostCurve
+from specfork.models.cost import CostCurve
 from specfork.models.layers import Linear, RMSNorm, Rotary
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
+from specfork.engine.thread import model_thread, run_in
 from specfork.errors import SpecforkError
-from specfork.model_thread import model_thread, run_in
 
 if TYPE_CHECKING:
     from specfork.config import SpecConfig
@@ -67,8 +67,8 @@ def run_serve(args: argparse.Namespace, err_console: Console) -> int:
     """Validate the flags, load the model, serve until interrupted; returns the exit status."""
     uvicorn = _require_server_packages()
     from specfork.cli import spec_from_args
-    from specfork.policies import make_policy
     from specfork.server.app import create_app
+    from specfork.strategies.policies import make_policy
 
     spec = spec_from_args(args, expected_length=args.default_max_tokens)
     make_policy(spec.k_policy, spec.k, spec.expected_length)  # validate before loading

@@ -14,7 +14,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from specfork.metrics import GenerationStats
+from specfork.engine.stats import GenerationStats
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

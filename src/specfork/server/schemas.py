@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError
-from specfork.metrics import GenerationStats
 
 Kind = Literal["completion", "chat"]
 Prompt = str | list[int] | list[dict[str, str]]

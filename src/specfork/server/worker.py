@@ -1,7 +1,7 @@
 """The one thread that owns the Generator, fed by a bounded queue of jobs.
 
 The Generator is not thread-safe, so exactly one worker thread runs it; that thread is the one
-that loaded the model (see `specfork.model_thread`: PyTorch's CPU thread pool runs at full speed
+that loaded the model (see `specfork.engine.thread`: PyTorch's CPU thread pool runs at full speed
 only for the thread that created it). HTTP handlers put jobs in
 a bounded queue (full: HTTP 429) and read the job's events (start, text deltas, done or error)
 from an asyncio queue the worker fills through the event loop. A cancelled job (its client went
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.engine.thread import model_thread
 from specfork.errors import PromptError, SpecforkError
-from specfork.model_thread import model_thread
 from specfork.server.metrics import ServerMetrics
 from specfork.server.schemas import APIError
 

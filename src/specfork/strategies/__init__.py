@@ -15,11 +15,11 @@ from specfork.drafters.forks import RECYCLE_WIDTH, ForkDrafter
 from specfork.drafters.model import ModelDrafter, parse_layers, step_weights
 from specfork.drafters.ngram import NgramDrafter
 from specfork.drafters.recycle_prior import PRIOR_CONTEXT, load_or_compute
-from specfork.dspark import DSparkPolicy
 from specfork.errors import ConfigError
 from specfork.loading.registry import cache_dir
-from specfork.policies import DraftPolicy, make_policy
-from specfork.spork import SporkPolicy
+from specfork.strategies.dspark import DSparkPolicy
+from specfork.strategies.policies import DraftPolicy, make_policy
+from specfork.strategies.spork import SporkPolicy
 
 if TYPE_CHECKING:
     from specfork.loading.loader import LoadedModel

@@ -34,7 +34,7 @@ import logging
 
 from specfork.config import SpecConfig
 from specfork.drafters.base import DraftShape
-from specfork.policies import RoundInfo
+from specfork.strategies.policies import RoundInfo
 
 log = logging.getLogger(__name__)
 

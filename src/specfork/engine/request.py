@@ -15,10 +15,10 @@ import torch
 from specfork.cache import KVCache
 from specfork.config import SamplingParams, SpecConfig
 from specfork.drafters.base import Drafter
-from specfork.goodput import GoodputGate, TreeGate
-from specfork.metrics import GenerationStats
-from specfork.output import OutputBuilder
-from specfork.policies import DraftPolicy
+from specfork.engine.output import OutputBuilder
+from specfork.engine.stats import GenerationStats
+from specfork.strategies.goodput import GoodputGate, TreeGate
+from specfork.strategies.policies import DraftPolicy
 
 
 @dataclass(eq=False)

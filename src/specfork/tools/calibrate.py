@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from specfork.config import GenerationConfig, SpecConfig
 from specfork.engine import Generator
+from specfork.engine.stats import RoundRecord
 from specfork.errors import ConfigError
-from specfork.metrics import RoundRecord
 
 
 @dataclass(frozen=True, slots=True)

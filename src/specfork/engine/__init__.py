@@ -19,16 +19,17 @@ import torch
 from specfork.cache import KVCache
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Drafter, Feedback, check_drafter
+from specfork.engine.output import OutputBuilder
+from specfork.engine.request import Request
+from specfork.engine.round import run_round
+from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError, PromptError
-from specfork.goodput import CostCurve, GoodputGate, TreeGate
 from specfork.loading.loader import LoadedModel
-from specfork.metrics import GenerationStats
-from specfork.output import OutputBuilder
-from specfork.policies import DraftPolicy
-from specfork.request import Request
-from specfork.round import run_round
+from specfork.models.cost import CostCurve
 from specfork.sampling import make_generator, next_token
 from specfork.strategies import build_strategy
+from specfork.strategies.goodput import GoodputGate, TreeGate
+from specfork.strategies.policies import DraftPolicy
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +279,7 @@ class Generator:
         log.warning(
             "this model was loaded in another thread: PyTorch's CPU thread pool belongs to that "
             "thread, and decoding from this one can run at half speed; load and run the model "
-            "in one thread (specfork.model_thread)"
+            "in one thread (specfork.engine.thread)"
         )
 
     def _check_k(self, spec: SpecConfig) -> None:

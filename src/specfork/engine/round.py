@@ -15,15 +15,15 @@ import time
 import torch
 
 from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback
-from specfork.goodput import GoodputGate, TreeGate
-from specfork.metrics import RoundRecord
+from specfork.engine.request import Request
+from specfork.engine.stats import RoundRecord
 from specfork.models.base import DecoderLM
-from specfork.policies import RoundInfo
-from specfork.request import Request
 from specfork.sampling import probabilities
+from specfork.strategies.goodput import GoodputGate, TreeGate
+from specfork.strategies.policies import RoundInfo
 from specfork.tree import cache_indices, children, depths, prune, tree_mask, tree_positions
 from specfork.verify import Verdict, one_hot_q, verify_greedy, verify_sampling
-from specfork.verify_tree import verify_tree_greedy, verify_tree_sampling, verify_tree_typical
+from specfork.verify.tree import verify_tree_greedy, verify_tree_sampling, verify_tree_typical
 
 NO_SHAPE = DraftShape(0)
 

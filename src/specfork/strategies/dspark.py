@@ -29,7 +29,7 @@ import torch
 
 from specfork.config import SpecConfig
 from specfork.drafters.base import DraftShape
-from specfork.policies import RoundInfo
+from specfork.strategies.policies import RoundInfo
 
 log = logging.getLogger(__name__)
 

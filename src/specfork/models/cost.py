@@ -1,0 +1,58 @@
+"""What a forward of R rows costs a model, relative to one row: measured, interpolated.
+
+The goodput gate (`specfork.strategies.goodput`) weighs extra verification rows with it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Cost of a forward by number of rows, relative to one row (linear between points)."""
+
+    rows: tuple[int, ...]
+    cost: tuple[float, ...]
+
+    def __call__(self, r: int) -> float:
+        if r <= self.rows[0]:
+            return self.cost[0]
+        for (r0, c0), (r1, c1) in zip(
+            zip(self.rows, self.cost, strict=True),
+            zip(self.rows[1:], self.cost[1:], strict=True),
+            strict=False,
+        ):
+            if r <= r1:
+                return c0 + (c1 - c0) * (r - r0) / (r1 - r0)
+        slope = (self.cost[-1] - self.cost[-2]) / (self.rows[-1] - self.rows[-2])
+        return self.cost[-1] + slope * (r - self.rows[-1])
+
+    @classmethod
+    def measure(cls, model: object, repeats: int = 3) -> CostCurve:
+        """Time forwards (with the LM head) of 1-32 rows on a scratch cache; medians."""
+        times = []
+        cache = model.new_cache(ROWS[-1] + 1)  # type: ignore[attr-defined]
+        with torch.inference_mode():
+            for r in ROWS:
+                tokens = torch.zeros(1, r, dtype=torch.long, device=model.device)  # type: ignore[attr-defined]
+                positions = torch.arange(r, device=tokens.device)  # [R]
+                runs = []
+                for _ in range(repeats + 1):  # the first run warms up
+                    cache.reset()
+                    t0 = time.perf_counter()
+                    hidden = model(tokens, positions, cache)  # type: ignore[operator]
+                    model.logits(hidden[0])  # type: ignore[attr-defined]
+                    runs.append(time.perf_counter() - t0)
+                times.append(statistics.median(runs[1:]))
+        base = times[0]
+        cost = [max(1.0, t / base) for t in times]
+        for i in range(1, len(cost)):  # more rows never cost less (noise)
+            cost[i] = max(cost[i], cost[i - 1])
+        return cls(ROWS, tuple(cost))
