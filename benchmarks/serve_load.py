@@ -30,14 +30,14 @@ from pathlib import Path
 
 import httpx
 
-from specfork.cli import read_first_turns
+from specfork.cli.common import read_first_turns
 from specfork.config import GenerationConfig, SpecConfig
 from specfork.engine import Generator
 from specfork.engine.thread import model_thread, run_in
 from specfork.loading.loader import load_model
 from specfork.loading.registry import DEFAULT_MODEL
 from specfork.server.app import create_app
-from specfork.server.cli import serve_in_background
+from specfork.server.run import serve_in_background
 
 log = logging.getLogger("serve_load")
 

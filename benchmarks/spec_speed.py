@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from specfork.bench.cli import add_bench_parser, run_bench
+from specfork.cli import bench as bench_command
 from specfork.errors import SpecforkError
 
 METHODS = [
@@ -57,7 +57,7 @@ def main() -> int:
         methods += HF_METHODS
     out = args.out.with_suffix("") if args.out.suffix == ".json" else args.out
     bench = argparse.ArgumentParser(prog="specfork")
-    add_bench_parser(bench.add_subparsers(dest="command"))
+    bench_command.add_parser(bench.add_subparsers(dest="command"))
     bench_args = bench.parse_args(
         ["bench", "--model", args.model, "--dtype", args.dtype, "--device", "cpu",
          "--prompts", str(args.prompts), "--per-category", str(args.per_category),
@@ -66,7 +66,7 @@ def main() -> int:
     )  # fmt: skip
     err = Console(stderr=True)
     try:
-        code = run_bench(bench_args, err)
+        code = bench_command.run(bench_args, err)
     except SpecforkError as exc:
         err.print(f"error: {exc}", markup=False)
         return 2

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from specfork.bench.cli import add_bench_parser, run_bench, settings_from_args
 from specfork.bench.prompts import BenchPrompt, builtin_prompts, load_prompts, select_prompts
 from specfork.bench.quality import compare_greedy, first_divergence, target_logprob, top2_gap
 from specfork.bench.records import BenchStrategy, Measurement, PreparedPrompt, RunOutput
@@ -23,6 +22,8 @@ from specfork.bench.report import PLOT_FILES, write_all
 from specfork.bench.runner import BenchSettings, run_benchmark, run_interleaved, run_order
 from specfork.bench.specs import ensure_plain, parse_strategies, parse_strategy
 from specfork.bench.summary import per_prompt_figures, summarize
+from specfork.cli import bench as bench_command
+from specfork.cli.bench import settings_from_args
 from specfork.errors import ConfigError, PromptError
 from tiny_models import randomize
 
@@ -57,25 +58,19 @@ def test_spec_list_and_plain_added() -> None:
     assert ensure_plain(with_ar) == (with_ar, False)
 
 
-def test_tuple_and_bool_options_convert_by_field_type(monkeypatch) -> None:
-    """New SpecConfig fields work without code changes: conversion follows the annotation."""
+def test_options_convert_as_the_schema_says() -> None:
+    """Tuples, flags and optional strings take the schema's text forms; a comma inside an
+    option value stays with its spec."""
     from specfork.bench import specs as specs_mod
 
-    fields = {"k": int, "ratio": float, "thresholds": tuple[float, ...], "flag": bool,
-              "name": str | None}  # fmt: skip
-    monkeypatch.setattr(specs_mod, "spec_fields", lambda: fields)
-    convert = specs_mod.convert_value
-    assert convert("0.3,0.6", fields["thresholds"], "thresholds", "x") == (0.3, 0.6)
-    assert convert("yes", bool, "flag", "x") is True
-    assert convert("none", fields["name"], "name", "x") is None
-    assert convert("2.5", float, "ratio", "x") == 2.5
-    with pytest.raises(ConfigError, match="must be a number"):
-        convert("0.3,abc", fields["thresholds"], "thresholds", "x")
+    s = parse_strategy("dspark:ngram?weights=0.5,0.25,0.25&goodput=no&self_layers=none")
+    assert (s.spec.weights, s.spec.goodput, s.spec.self_layers) == ((0.5, 0.25, 0.25), False, None)
+    with pytest.raises(ConfigError, match="comma-separated numbers"):
+        parse_strategy("dspark:ngram?weights=0.3,abc,0.1")
     with pytest.raises(ConfigError, match="true or false"):
-        convert("maybe", bool, "flag", "x")
-    # a comma inside an option value stays with its spec
-    parts = specs_mod.split_strategy_list("ar,speculative:ngram?thresholds=0.3,0.6,hf:ar")
-    assert parts == ["ar", "speculative:ngram?thresholds=0.3,0.6", "hf:ar"]
+        parse_strategy("speculative:ngram?goodput=maybe")
+    parts = specs_mod.split_strategy_list("ar,dspark:ngram?weights=0.3,0.3,0.4,hf:ar")
+    assert parts == ["ar", "dspark:ngram?weights=0.3,0.3,0.4", "hf:ar"]
 
 
 @pytest.mark.parametrize(
@@ -87,6 +82,11 @@ def test_tuple_and_bool_options_convert_by_field_type(monkeypatch) -> None:
         ("speculative:ngram?k=0", ["k (draft length)", ">= 1"]),
         ("speculative:bogus", ["unknown drafter"]),
         ("speculative:ngram?k_policy=fastest", ["unknown draft-length policy"]),
+        (
+            "dspark:ngram?forks=2",
+            ["forks is an option of strategy spork", "this one uses strategy dspark"],
+        ),
+        ("spork?k=3", ["k is an option of strategy speculative", "forks, depth and budget"]),
         ("speculative:ngram?k", ["not key=value"]),
         ("speculative:ngram?k=2&k=3", ["given twice"]),
         ("speculative:ngram?strategy=ar", ["prefix"]),
@@ -313,25 +313,27 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="specfork")
-    add_bench_parser(parser.add_subparsers(dest="command"))
+    bench_command.add_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["bench", *argv])
 
 
 def test_bad_input_fails_before_loading(tmp_path: Path) -> None:
     base = ["--model", "no-such-model", "--out", str(tmp_path / "out")]
     with pytest.raises(ConfigError, match="unknown strategy"):
-        run_bench(_args(*base, "--strategies", "ar,fast"), Console(file=None))
+        bench_command.run(_args(*base, "--strategies", "ar,fast"), Console(file=None))
     bad = _jsonl(tmp_path / "bad.jsonl", [{"turns": ["ok"]}, "oops"])
     with pytest.raises(PromptError, match=r"bad\.jsonl:2"):
-        run_bench(_args(*base, "--prompts", str(bad)), Console())
+        bench_command.run(_args(*base, "--prompts", str(bad)), Console())
     with pytest.raises(ConfigError, match="--per-category must be >= 1"):
-        run_bench(_args(*base, "--per-category", "0"), Console())
+        bench_command.run(_args(*base, "--per-category", "0"), Console())
     with pytest.raises(ConfigError, match="repeats"):
-        run_bench(_args(*base, "--repeats", "0"), Console())
+        bench_command.run(_args(*base, "--repeats", "0"), Console())
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="cannot write to the output folder"):
-        run_bench(_args("--model", "no-such-model", "--out", str(blocker / "sub")), Console())
+        bench_command.run(
+            _args("--model", "no-such-model", "--out", str(blocker / "sub")), Console()
+        )
     settings = settings_from_args(_args(*base, "--strategies", "speculative:ngram"))
     assert [s.label for s in settings.strategies] == ["ar", "speculative:ngram"]
     assert settings.notes and "added" in settings.notes[0]
@@ -351,7 +353,7 @@ def test_bench_end_to_end(tiny_folder: Path, tmp_path: Path, capsys) -> None:
             "--repeats", "2", "--out", str(out), "--quiet", "--strategies",
             "speculative:ngram?k=3,speculative:self?self_layers=0-1&k=2&goodput=false,hf:ar,"
             "hf:prompt-lookup?k=3,hf:assisted?k=2"]  # fmt: skip
-    code = run_bench(_args(*argv), Console(stderr=True, width=200))
+    code = bench_command.run(_args(*argv), Console(stderr=True, width=200))
     stdout = capsys.readouterr().out
     assert code == 0
     assert "speedup by category" in stdout and "hf:prompt-lookup?k=3" in stdout

@@ -537,7 +537,9 @@ def test_verbose_is_accepted_after_the_subcommand(capsys: pytest.CaptureFixture[
         (["--strategy", "dspark", "--forks", "3"], "--forks is a flag of --strategy spork"),
         (["--strategy", "ar", "--k", "3"], "--k needs a speculative strategy"),
         (["--forks", "2", "--min-k", "3"], "flags of several strategies"),
-        (["--strategy", "dspark", "--k-policy", "heuristic"], "not used by --strategy dspark"),
+        (["--strategy", "dspark", "--k-policy", "heuristic"], "it chooses K itself"),
+        (["--strategy", "spork", "--k", "3"], "--k is a flag of --strategy speculative"),
+        (["--strategy", "dspark", "--no-goodput", "--no-adapt"], "--no-adapt is a flag of"),
     ],
 )
 def test_flags_the_strategy_does_not_use_are_errors(
@@ -548,10 +550,10 @@ def test_flags_the_strategy_does_not_use_are_errors(
 
 
 def test_a_drafter_without_a_strategy_speculates() -> None:
-    from specfork.cli import build_parser, explicit_dests, resolve_strategy
+    from specfork.cli import build_parser
+    from specfork.cli.common import resolve_strategy
 
     parser = build_parser()
-    generate = parser._subparsers._group_actions[0].choices["generate"]
     for argv, strategy in (
         (["generate", "--drafter", "ngram", "--k", "4", "hi"], "speculative"),
         (["generate", "--min-k", "3", "hi"], "dspark"),
@@ -559,7 +561,7 @@ def test_a_drafter_without_a_strategy_speculates() -> None:
         (["generate", "hi"], "ar"),
     ):
         args = parser.parse_args(argv)
-        resolve_strategy(args, explicit_dests(generate, argv))
+        resolve_strategy(args)
         assert args.strategy == strategy, argv
 
 

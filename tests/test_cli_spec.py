@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cli_run import run_cli as _run
-from specfork.cli import main, read_first_turns
+from specfork.cli import main
+from specfork.cli.common import read_first_turns
 from specfork.errors import SpecforkError
 
 PROMPT = "Repeat exactly: one two three, one two three, one two three."

@@ -87,10 +87,11 @@ def test_self_drafted_dynamic_tree_traces_its_model_depth(capsys, tmp_path: Path
 
 
 def test_spork_flags_reach_the_config() -> None:
-    from specfork.cli import build_parser, spec_from_args
+    from specfork.cli import build_parser
+    from specfork.cli.common import spec_from_args
 
-    argv = ["generate", "--strategy", "spork", "--recycle-prior", "--tau-max", "0.2",
-            "--tree", "dynamic", "hi"]  # fmt: skip
+    argv = ["generate", "--strategy", "spork", "--recycle-prior", "--tau-max", "0.2"]
+    argv += ["--tree", "dynamic", "hi"]
     spec = spec_from_args(build_parser().parse_args(argv), 64)
     assert (spec.recycle_prior, spec.tau_max, spec.tree) == (True, 0.2, "dynamic")
     plain = spec_from_args(build_parser().parse_args(["generate", "--strategy", "spork", "hi"]), 64)

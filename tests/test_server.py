@@ -25,6 +25,7 @@ import openai
 import pytest
 from rich.console import Console
 
+from specfork.cli import serve as serve_command
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.engine import GenerationResult, Generator
 from specfork.engine.stats import GenerationStats
@@ -32,7 +33,7 @@ from specfork.engine.thread import model_thread, run_in
 from specfork.errors import SpecforkError
 from specfork.loading.loader import LoadedModel
 from specfork.server.app import create_app
-from specfork.server.cli import add_serve_parser, run_serve, serve_in_background
+from specfork.server.run import serve_in_background
 
 MODEL = "smollm2-135m-instruct"
 CONTEXT = 1024
@@ -273,6 +274,12 @@ BAD = [
         {"prompt": "hi", "speculative": {"strategy": "spork", "recycle_prior": True}},
         "speculative.recycle_prior",
     ),
+    (
+        "completions",
+        {"prompt": "hi", "speculative": {"strategy": "dspark", "forks": 2}},
+        "speculative",
+    ),
+    ("completions", {"prompt": "hi", "speculative": {"strategy": "ar", "k": 2}}, "speculative"),
     ("completions", {"prompt": "hi", "max_token": 4}, "max_token"),
     ("completions", {"prompt": "hi", "logprobs": 5}, "logprobs"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
@@ -563,7 +570,7 @@ def test_body_too_large_is_413() -> None:
 def _serve_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--verbose", action="store_true")
-    add_serve_parser(parser.add_subparsers(dest="command"))
+    serve_command.add_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["serve", *argv])
 
 
@@ -581,7 +588,7 @@ def test_serve_flags() -> None:
 def test_serve_reports_bad_flags_and_taken_port_before_loading() -> None:
     console = Console(stderr=True)
     with pytest.raises(SpecforkError, match="k \\(draft length\\)"):
-        run_serve(
+        serve_command.run(
             _serve_args("-m", "no-such-model", "--strategy", "speculative", "--k", "0"), console
         )
     with socket.socket() as taken:
@@ -589,7 +596,7 @@ def test_serve_reports_bad_flags_and_taken_port_before_loading() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(SpecforkError, match="cannot listen"):
-            run_serve(_serve_args("-m", "no-such-model", "--port", str(port)), console)
+            serve_command.run(_serve_args("-m", "no-such-model", "--port", str(port)), console)
 
 
 @pytest.mark.slow

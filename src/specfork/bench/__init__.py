@@ -9,7 +9,7 @@
 - `machine`, `progress`: what results.json says about the machine; the live progress bar;
 - `hf`: transformers baselines (``generate``, prompt lookup, assisted), imported lazily;
 - `report`: terminal tables, results.json, report.md, PNG plots;
-- `cli`: the `bench` subcommand (`add_bench_parser`, `run_bench`).
+The `bench` command itself is `specfork.cli.bench`.
 
 Library use::
 

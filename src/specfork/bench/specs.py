@@ -11,9 +11,10 @@ Syntax::
   ``model:PATH-or-name``, or a strategy's own drafter names (``recycle+ngram``). It becomes
   the ``drafter`` field of :class:`specfork.config.SpecConfig`.
 - ``key=value`` options set the :class:`~specfork.config.SpecConfig` field of that name
-  (``-`` may stand for ``_``), converted to the field's type: integers, floats, strings,
-  ``none`` for optional fields, ``true``/``false`` for flags, and comma lists for tuples
-  (``thresholds=0.3,0.6``). New SpecConfig fields work here without any change.
+  (``-`` may stand for ``_``), converted as `specfork.spec_schema` says (the schema the CLI
+  flags and the server's ``speculative`` objects use): integers, floats, strings, ``none``
+  for optional fields, ``true``/``false`` for flags, and comma lists (``weights=0.4,0.3,0.3``).
+  An option the strategy does not read (``dspark:ngram?forks=2``) is an error.
 - ``hf:ar`` is transformers' ``generate``; ``hf:prompt-lookup`` its prompt lookup decoding
   (options ``k`` = ``prompt_lookup_num_tokens``, default 10, and ``max_ngram`` =
   ``max_matching_ngram_size``); ``hf:assisted`` assisted generation with a draft model
@@ -33,8 +34,6 @@ display label is the spec string itself.
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +41,7 @@ from typing import Any
 from specfork import config as _config
 from specfork.config import SpecConfig
 from specfork.errors import ConfigError
+from specfork.spec_schema import OPTIONS_BY_NAME, check_used, option
 
 HF_METHODS: dict[str, dict[str, type]] = {
     "ar": {},
@@ -56,7 +56,6 @@ BASELINES = {"hf": ("transformers", HF_METHODS), "llamacpp": ("llama.cpp", LLAMA
 HF_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-_NONE = ("none", "null", "")
 _POSITIONAL = ("strategy", "drafter")  # given by the spec's prefix, not as options
 
 
@@ -96,22 +95,9 @@ def strategy_names() -> tuple[str, ...]:
     return (*dict.fromkeys(names), *BASELINES)
 
 
-def spec_fields() -> dict[str, Any]:
-    """SpecConfig's option fields and their types (resolved annotations)."""
-    try:
-        hints = typing.get_type_hints(SpecConfig)
-    except Exception:  # an annotation that cannot be evaluated: keep it as a string
-        hints = {}
-    return {
-        f.name: hints.get(f.name, f.type)
-        for f in dataclasses.fields(SpecConfig)
-        if f.name not in _POSITIONAL
-    }
-
-
 def valid_options() -> list[str]:
     """Option keys a specfork strategy spec accepts."""
-    return list(spec_fields())
+    return list(OPTIONS_BY_NAME)
 
 
 def parse_strategy(text: str) -> StrategySpec:
@@ -135,23 +121,26 @@ def parse_strategy(text: str) -> StrategySpec:
         return _parse_baseline(label, name, drafter, raw)
     if name == "ar" and drafter:
         raise ConfigError(f"strategy spec {label!r}: plain decoding (ar) takes no drafter")
-    fields = spec_fields()
-    options: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in fields:
-            raise ConfigError(
-                f"strategy spec {label!r}: unknown option {key!r}; valid options: "
-                f"{', '.join(fields)}"
-            )
-        options[key] = convert_value(value, fields[key], key, label)
+    options = _spec_options(raw, label)
     kwargs = {"strategy": name, **({"drafter": drafter} if drafter else {}), **options}
     try:
+        check_used(name, list(options))
         spec = SpecConfig(**kwargs)
     except ConfigError as exc:
         raise ConfigError(f"strategy spec {label!r}: {exc}") from exc
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"strategy spec {label!r}: invalid options ({exc})") from exc
     return StrategySpec(label, "specfork", spec=spec, options=options)
+
+
+def _spec_options(raw: dict[str, str], label: str) -> dict[str, Any]:
+    """The spec's options converted as the schema says (ConfigError naming the option)."""
+    options: dict[str, Any] = {}
+    for key, value in raw.items():
+        opt = option(key, where=f"strategy spec {label!r}")
+        try:
+            options[opt.name] = opt.from_text(value)
+        except ConfigError as exc:
+            raise ConfigError(f"strategy spec {label!r}: option {key}={value!r} {exc}") from None
+    return options
 
 
 def parse_strategies(texts: str | Iterable[str]) -> list[StrategySpec]:
@@ -194,27 +183,6 @@ def ensure_plain(specs: Sequence[StrategySpec]) -> tuple[list[StrategySpec], boo
     return [parse_strategy("ar"), *specs], True
 
 
-def convert_value(value: str, hint: Any, key: str, label: str) -> Any:
-    """`value` converted to the annotated type `hint` of option `key` (ConfigError if not)."""
-    where = f"strategy spec {label!r}: option {key}={value!r}"
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if type(None) in args and value.strip().lower() in _NONE:
-            return None
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) != 1:
-            return value
-        hint = rest[0]
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if isinstance(hint, str):  # an unresolved annotation
-        return _convert_by_name(value, hint, where)
-    if origin in (tuple, list):
-        element = args[0] if args else str
-        items = [v.strip() for v in value.split(",") if v.strip()]
-        return tuple(convert_value(v, element, key, label) for v in items)
-    return _convert_scalar(value, hint, where)
-
-
 def _convert_scalar(value: str, hint: Any, where: str) -> Any:
     v = value.strip()
     if hint is bool:
@@ -233,21 +201,6 @@ def _convert_scalar(value: str, hint: Any, where: str) -> Any:
             return float(v)
         except ValueError:
             raise ConfigError(f"{where} must be a number") from None
-    return value
-
-
-def _convert_by_name(value: str, hint: str, where: str) -> Any:
-    base = hint.replace(" ", "")
-    optional = base.endswith("|None") or base.startswith("None|") or base.startswith("Optional[")
-    if optional and value.strip().lower() in _NONE:
-        return None
-    for name, typ in (("bool", bool), ("int", int), ("float", float)):
-        if base in (name, f"{name}|None", f"None|{name}", f"Optional[{name}]"):
-            return _convert_scalar(value, typ, where)
-    if base.startswith("tuple[") or base.startswith("list["):
-        inner = base[base.index("[") + 1 :].split(",")[0].rstrip("]")
-        typ = {"int": int, "float": float, "bool": bool}.get(inner, str)
-        return tuple(_convert_scalar(v, typ, where) for v in value.split(",") if v.strip())
     return value
 
 
@@ -286,7 +239,7 @@ def _parse_baseline(label: str, family: str, method: str, raw: dict[str, str]) -
                 f"strategy spec {label!r}: unknown option {key!r} for {family}:{method}; "
                 f"valid options: {valid}"
             )
-        options[key] = convert_value(value, allowed[key], key, label)
+        options[key] = _convert_scalar(value, allowed[key], f"strategy spec {label!r}: {key}")
     for key in ("k", "max_ngram"):
         if key in options and options[key] < 1:
             raise ConfigError(f"strategy spec {label!r}: {key} must be >= 1")

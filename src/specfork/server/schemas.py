@@ -8,7 +8,6 @@ as they are.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -20,12 +19,13 @@ from typing import Any, Literal
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError
+from specfork.spec_schema import OPTIONS_BY_NAME, check_used, spec_with
 
 Kind = Literal["completion", "chat"]
 Prompt = str | list[int] | list[dict[str, str]]
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-SPEC_KEYS = tuple(f.name for f in dataclasses.fields(SpecConfig))
+SPEC_KEYS = ("strategy", *OPTIONS_BY_NAME)  # one schema with the CLI flags and bench specs
 MAX_STOP_STRINGS = 16
 MAX_SPEC_INT = 64  # largest k / n-gram size a request may ask for
 LAYERS = re.compile(r"\s*\d{1,4}(\s*-\s*\d{1,4})?(\s*,\s*\d{1,4}(\s*-\s*\d{1,4})?)*\s*")
@@ -309,11 +309,9 @@ def _speculative(obj: Any, default: SpecConfig) -> SpecConfig | None:
             param="speculative",
         )
     _check_spec_values(obj, default)
-    changes = dict(obj)
-    if "drafter" not in obj and obj.get("strategy", default.strategy) != default.strategy:
-        changes["drafter"] = None  # the new strategy's default drafter (recycle for spork)
     try:
-        spec = dataclasses.replace(default, **changes)
+        spec = spec_with(default, obj)
+        check_used(spec.strategy, [key for key in obj if key != "strategy"])
     except ConfigError as exc:
         raise APIError(str(exc), param="speculative") from exc
     return SpecConfig() if spec.strategy == "ar" else spec

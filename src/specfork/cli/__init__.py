@@ -1,0 +1,69 @@
+"""The `specfork` command: parses flags, builds configs, calls the library.
+
+Each command is a module with `add_parser(subparsers)`, which sets its `run(args, err)` as the
+parser's default; `main` parses and dispatches. Generated text, and only that, goes to stdout;
+progress, stats and errors go to stderr. A user mistake prints one line naming the problem and
+exits with status 2 (never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.markup import escape
+
+from specfork import __version__
+from specfork.cli import bench, generate, serve, tools
+from specfork.cli.common import EXIT_USER_ERROR, resolve_strategy
+from specfork.errors import SpecforkError
+
+COMMANDS = (generate, tools, bench, serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specfork", description="Lossless speculative decoding for LLMs in PyTorch."
+    )
+    parser.add_argument("--version", action="version", version=f"specfork {__version__}")
+    parser.add_argument("--verbose", "-v", action="store_true", help="log what happens")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    for command_parser in sub.choices.values():  # `specfork generate -v` and `specfork -v ...`
+        command_parser.add_argument(
+            "--verbose",
+            "-v",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="log what happens",
+        )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    err = Console(stderr=True, highlight=False)
+    try:
+        if hasattr(args, "strategy"):
+            resolve_strategy(args)
+        return args.run(args, err)
+    except SpecforkError as exc:
+        err.print(f"[bold red]specfork: error:[/] {escape(str(exc))}", soft_wrap=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (e.g. `| head`); exit quietly like other CLI tools.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1

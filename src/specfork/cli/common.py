@@ -1,0 +1,211 @@
+"""What several commands share: model, sampling and strategy flags, and their conversions.
+
+The strategy flags are generated from `specfork.spec_schema` (one schema with the bench's
+spec strings and the server's `speculative` objects); every one defaults to None, so that a
+flag the user gave is told apart from a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from specfork.config import STRATEGIES, SamplingParams, SpecConfig
+from specfork.errors import ConfigError, SpecforkError
+from specfork.loading.registry import DEFAULT_MODEL
+from specfork.spec_schema import (
+    SPEC_OPTIONS,
+    SpecOption,
+    Wording,
+    check_used,
+    implied_strategy,
+)
+
+EXIT_USER_ERROR = 2
+GROUPS = {
+    "drafting": "decoding strategy",
+    "speculative": "fixed draft-length schedules (--strategy speculative)",
+    "dspark": "DSpark (--strategy dspark)",
+    "spork": "SPORK (--strategy spork)",
+}
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        "-m",
+        default=DEFAULT_MODEL,
+        help=f"packaged model name, .gguf file or checkpoint folder ({DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16", "gguf"),
+        help="precision: gguf = a GGUF file's own quantized weights; auto = fastest",
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="specfork's compiled CPU kernels (batch-invariant, fast): auto = where "
+        "they help, on = required, off = eager PyTorch",
+    )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="guarantee output bitwise equal to plain decoding: fail unless the steps "
+        "are batch-invariant (the kernels)",
+    )
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """load_model keyword arguments from the model flags (--exact requires the kernels)."""
+    kernels = getattr(args, "kernels", "auto")
+    if getattr(args, "exact", False):
+        if kernels == "off":
+            raise ConfigError("--exact needs the kernels' batch-invariant steps, not --kernels off")
+        kernels = "on"
+    wanted = {"auto": None, "on": True, "off": False}[kernels]
+    return {"dtype": args.dtype, "device": args.device, "kernels": wanted}
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max p")
+    g.add_argument("--seed", type=int, default=None, help="seed that reproduces a sampled run")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+    )
+
+
+def add_spec_flags(p: argparse.ArgumentParser) -> None:
+    """--strategy and one flag per CLI option of the schema, grouped by the strategy reading it."""
+    groups = {owner: p.add_argument_group(title) for owner, title in GROUPS.items()}
+    groups["drafting"].add_argument(
+        "--strategy",
+        default=None,
+        choices=STRATEGIES,
+        help="ar = plain decoding (the default); speculative = draft, then verify in one pass; "
+        "dspark = speculative with K chosen every round from the target's confidence; "
+        "spork = a tree of forks verified in one pass (a drafter or strategy flag "
+        "without --strategy implies the strategy it belongs to)",
+    )
+    for opt in SPEC_OPTIONS:
+        if opt.cli:
+            _add_option(groups[opt.owner], opt)
+
+
+def _add_option(group: argparse._ArgumentGroup, opt: SpecOption) -> None:
+    default = opt.default
+    shown = "" if opt.name == "drafter" or default in (None, False) else f" (default {default})"
+    if opt.kind is bool:
+        group.add_argument(
+            opt.flag,
+            dest=opt.name,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=opt.help + shown,
+        )
+        return
+    if opt.kind == "floats":
+        shown = f" (default {','.join(str(x) for x in default)})"
+    group.add_argument(
+        opt.flag,
+        dest=opt.name,
+        type=_converter(opt),
+        default=None,
+        choices=opt.choices,
+        metavar=opt.metavar,
+        help=opt.help + shown,
+    )
+
+
+def _converter(opt: SpecOption) -> Any:
+    def convert(text: str) -> Any:
+        try:
+            return opt.from_text(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    convert.__name__ = opt.name  # argparse names the type in its message
+    return convert
+
+
+def given_options(args: argparse.Namespace) -> list[str]:
+    """The strategy options the user gave on the command line."""
+    return [o.name for o in SPEC_OPTIONS if o.cli and getattr(args, o.name, None) is not None]
+
+
+def resolve_strategy(args: argparse.Namespace) -> None:
+    """Make the strategy flags mean what they say: drafter or strategy flags without
+    --strategy turn speculation on (the strategy the flags belong to), and a flag the chosen
+    strategy does not read is an error naming the strategy that reads it."""
+    given = given_options(args)
+    if args.strategy is None:
+        args.strategy = implied_strategy(given, FLAGS) or "ar"
+    check_used(args.strategy, given, FLAGS)
+
+
+def _spell(opt: SpecOption) -> str:
+    if opt.kind is bool and opt.default is True:
+        return f"--no-{opt.flag[2:]}"
+    return opt.flag
+
+
+FLAGS = Wording("flag", _spell, lambda name: f"--strategy {name}")
+
+
+def spec_from_args(args: argparse.Namespace, expected_length: int) -> SpecConfig:
+    """The SpecConfig the strategy flags describe (validated)."""
+    values = {name: getattr(args, name) for name in given_options(args)}
+    strategy = args.strategy or "ar"
+    return SpecConfig(strategy=strategy, expected_length=expected_length, **values)
+
+
+def unescape(text: str, what: str) -> str:
+    """Decode backslash escapes (\\n, \\t, \\\\, \\uXXXX, ...) the way Python strings do."""
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {text!r} has a broken escape sequence ({exc.reason})") from exc
+
+
+def check_writable(path: Path | None, what: str) -> None:
+    """Fail before any work when an output file cannot be written."""
+    if path is None:
+        return
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise SpecforkError(f"cannot write the {what} {path}: {exc.strerror or exc}") from exc
+
+
+def read_prompt(arg: str | None) -> str:
+    """The prompt argument, or stdin without the one trailing newline `echo` adds."""
+    if arg is not None and arg != "-":
+        return arg
+    if sys.stdin is None or sys.stdin.isatty():
+        raise SpecforkError("no prompt given; pass it as an argument or pipe it on stdin")
+    text = sys.stdin.read()
+    return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+
+
+def read_first_turns(path: Path) -> list[str]:
+    """The prompts of a prompt file (bench.prompts: three formats; errors name the line)."""
+    from specfork.bench.prompts import load_prompts
+
+    return [p.text for p in load_prompts(path)]

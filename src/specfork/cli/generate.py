@@ -1,0 +1,135 @@
+"""`specfork generate`: text from a prompt (stdout: the text only; stderr: progress, stats)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from specfork.cli.common import (
+    add_model_flags,
+    add_sampling_flags,
+    add_spec_flags,
+    check_writable,
+    model_options,
+    read_prompt,
+    sampling_from_args,
+    spec_from_args,
+    unescape,
+)
+from specfork.config import GenerationConfig
+from specfork.engine.stats import GenerationStats
+from specfork.errors import SpecforkError
+from specfork.strategies.policies import make_policy
+
+
+def add_parser(sub: Any) -> None:
+    gen = sub.add_parser("generate", help="generate text from a prompt (stdout: the text only)")
+    gen.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted or '-'")
+    add_model_flags(gen)
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the chat template (default: on when the model has one)",
+    )
+    gen.add_argument("--system", default=None, help="system message (chat mode)")
+    gen.add_argument("--max-new-tokens", "-n", type=int, default=256)
+    gen.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="stop string (repeatable); escapes such as \\n and \\t are decoded",
+    )
+    gen.add_argument(
+        "--escape",
+        "-e",
+        action="store_true",
+        help="decode escapes (\\n, \\t, \\uXXXX) in the prompt and --system too",
+    )
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    gen.add_argument("--quiet", "-q", action="store_true", help="no progress or stats on stderr")
+    add_sampling_flags(gen)
+    add_spec_flags(gen)
+    g = gen.add_argument_group("reports")
+    g.add_argument("--stats", action="store_true", help="print all request stats to stderr")
+    g.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write one JSON line per decoding round to this file",
+    )
+    gen.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, err: Console) -> int:
+    from specfork.engine import Generator
+    from specfork.loading.loader import load_model
+
+    sampling = sampling_from_args(args)
+    stops = tuple(unescape(s, "the stop string") for s in args.stop)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        stop=stops,
+        ignore_eos=args.ignore_eos,
+        exact=args.exact,
+    )
+    check_writable(args.trace, "trace file")
+    spec = spec_from_args(args, expected_length=args.max_new_tokens)
+    make_policy(spec.k_policy, spec.k, spec.expected_length)  # validate before loading
+    prompt = _prompt(args)
+    status = err.status(f"loading {escape(args.model)}…", spinner="dots")
+    with status if not args.quiet else nullcontext():
+        loaded = load_model(args.model, progress=not args.quiet, **model_options(args))
+    generator = Generator(loaded, spec=spec)
+    chat = args.chat if args.chat is not None else loaded.tokenizer.chat_template is not None
+    messages: str | list[dict[str, str]] = prompt
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        if args.system:
+            messages.insert(0, {"role": "system", "content": args.system})
+    stream = generator.stream(messages, chat=chat, config=config, sampling=sampling)
+    for delta in stream:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if stream.result is not None:
+        if not args.quiet:
+            model = f"{loaded.path.name} ({loaded.model.describe()})"
+            summary = f"{stream.result.stats.summary()} | finish: {stream.result.finish_reason}"
+            err.print(f"{model} | {summary}", style="dim", markup=False, highlight=False)
+        _report(args, stream.result.stats, err)
+    return 0
+
+
+def _prompt(args: argparse.Namespace) -> str:
+    """The prompt (and --system) as given, escapes decoded with -e; never empty."""
+    prompt = read_prompt(args.prompt)
+    if args.escape:
+        prompt = unescape(prompt, "the prompt")
+        args.system = None if args.system is None else unescape(args.system, "--system")
+    if not prompt.strip():
+        raise SpecforkError("the prompt is empty; give some text to continue")
+    return prompt
+
+
+def _report(args: argparse.Namespace, stats: GenerationStats, err: Console) -> None:
+    """--stats: every figure of the request; --trace FILE: one JSON line per round."""
+    if args.stats:
+        for key, value in stats.to_dict().items():
+            shown = f"{value:.4g}" if isinstance(value, float) else value
+            err.print(f"  {key}: {shown}", markup=False, highlight=False)
+    if args.trace is not None:
+        try:
+            with open(args.trace, "w") as f:
+                for record in stats.rounds:
+                    f.write(json.dumps(record.to_dict()) + "\n")
+        except OSError as exc:
+            raise SpecforkError(f"cannot write the trace file {args.trace}: {exc}") from exc
