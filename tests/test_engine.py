@@ -341,6 +341,7 @@ def test_per_request_strategy(smollm_f32: LoadedModel, first: GenerationResult) 
     from specfork.engine import MAX_KEPT_STRATEGIES
 
     own = Generator(smollm_f32)
+    assert own.max_strategies == MAX_KEPT_STRATEGIES
     config = GenerationConfig(max_new_tokens=N_MAIN, ignore_eos=True)
     for k in range(1, MAX_KEPT_STRATEGIES + 3):  # more strategies than are kept
         spec = SpecConfig("speculative", "ngram", k=k)
@@ -428,3 +429,20 @@ def test_a_custom_drafter_plugs_in_and_stays_lossless(gen: Generator, smollm_f32
     want = [prompt_len + r.position + r.accepted for r in rounds]
     assert drafter.committed == want
     assert result.stats.accepted > 0  # the repeated tokens were accepted at least once
+
+
+def test_the_strategy_cache_keeps_the_most_recent_and_the_default(smollm_f32) -> None:
+    from specfork.config import SpecConfig
+
+    own = Generator(smollm_f32, max_strategies=2)
+    config = GenerationConfig(max_new_tokens=2, ignore_eos=True)
+    specs = [SpecConfig("speculative", "ngram", k=k) for k in (1, 2, 3)]
+    for spec in specs:
+        own.generate("hi", config=config, spec=spec)
+    assert list(own._strategies) == [own.default_spec, specs[2]]
+    one = Generator(smollm_f32, max_strategies=1)  # the default and the one in use
+    one.generate("hi", config=config, spec=specs[0])
+    assert list(one._strategies) == [one.default_spec, specs[0]]
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match="max_strategies"):
+            Generator(smollm_f32, max_strategies=bad)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from specfork.drafters.recycle import RecycleTable
-from specfork.errors import ConfigError
 from specfork.tree import children, depths, path_to
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,7 +38,7 @@ def test_new_table_knows_nothing():
 
 @pytest.mark.parametrize(("vocab", "width"), [(0, 1), (10, 0), (10, 11), (10, 2.0)])
 def test_invalid_sizes(vocab, width):
-    with pytest.raises(ConfigError):
+    with pytest.raises(ValueError):
         RecycleTable(vocab, width)
 
 
@@ -99,7 +98,7 @@ def test_update_validates_its_inputs():
         table.update(torch.tensor([V]), torch.zeros(1, V))
     table.update(torch.zeros(0, dtype=torch.long), torch.zeros(0, V))  # nothing to learn
     assert (table.table == -1).all()
-    with pytest.raises(ConfigError):
+    with pytest.raises(ValueError):
         table.candidates(1, -1)
 
 
@@ -121,7 +120,7 @@ def test_build_forks_shape():
     assert table.build_forks(0, forks=2, depth=1).tokens.tolist() == [1, 2]
     assert len(table.build_forks(19, forks=3, depth=4)) == 0  # unknown root: empty tree
     assert len(table.build_forks(0, forks=0, depth=4)) == 0
-    with pytest.raises(ConfigError):
+    with pytest.raises(ValueError):
         table.build_forks(0, forks=2, depth=0)
 
 
@@ -161,7 +160,7 @@ def test_build_dynamic_hand_checked():
     assert len(table.build_dynamic(0, budget=0, max_depth=3, branch=2)) == 0
     assert len(table.build_dynamic(19, budget=8, max_depth=3, branch=2)) == 0
     for bad in [(-1, 3, 2), (4, 0, 2), (4, 3, 0)]:
-        with pytest.raises(ConfigError):
+        with pytest.raises(ValueError):
             table.build_dynamic(0, *bad)
 
 

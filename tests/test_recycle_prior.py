@@ -13,7 +13,6 @@ from specfork.drafters.base import DraftShape
 from specfork.drafters.forks import ForkDrafter
 from specfork.drafters.recycle import UNKNOWN, RecycleTable
 from specfork.drafters.recycle_prior import compute_prior, load_or_compute, prior_file
-from specfork.errors import ConfigError
 from specfork.models.llama import LlamaLM
 
 V, W = 96, 4
@@ -75,7 +74,7 @@ def test_table_starts_from_the_prior_and_observations_win() -> None:
     assert table.candidates(5, 1) == [40]
     table.reset()  # the next request starts from the prior again
     assert table.candidates(5) == [9, 8, 7, 6]
-    with pytest.raises(ConfigError, match=r"recycle prior must be \[96, 4\]"):
+    with pytest.raises(ValueError, match=r"recycle prior must be \[96, 4\]"):
         RecycleTable(V, W, prior=torch.zeros(V, W + 1, dtype=torch.int32))
 
 

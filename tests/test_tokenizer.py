@@ -27,15 +27,11 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from specfork.errors import ConfigError, ModelFormatError, PromptError
-from specfork.loading import tokenizer as tokenizer_module
+from specfork.loading import gguf_tokenizer
+from specfork.loading.gguf_tokenizer import SIDECAR_FILE, gguf_cache_key
 from specfork.loading.registry import resolve_model
-from specfork.loading.tokenizer import (
-    SIDECAR_FILE,
-    TOKENIZER_FILE,
-    StreamDecoder,
-    Tokenizer,
-    gguf_cache_key,
-)
+from specfork.loading.stream_decode import StreamDecoder
+from specfork.loading.tokenizer import TOKENIZER_FILE, Tokenizer
 
 REPLACEMENT = "\ufffd"
 CORPUS = [
@@ -527,19 +523,7 @@ def test_tiny_gguf_damaged_cache_is_rebuilt(tiny_gguf: SimpleNamespace, tmp_path
     again = Tokenizer.from_gguf(tiny_gguf.path, cache_dir)
     assert again.encode("hello world") == first.encode("hello world")
     assert json.loads((entry / SIDECAR_FILE).read_text(encoding="utf-8"))["format"] == 1
-    assert not [p for p in entry.iterdir() if p.name.endswith(".tmp")]
-
-
-def test_cache_write_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    target = tmp_path / "file.json"
-
-    def fail(*_: object) -> None:
-        raise OSError("disk full")
-
-    monkeypatch.setattr(tokenizer_module.os, "replace", fail)
-    with pytest.raises(OSError, match="disk full"):
-        tokenizer_module._write_atomic(target, "{}")
-    assert list(tmp_path.iterdir()) == []
+    assert not [p for p in entry.iterdir() if p.name.endswith(".partial")]
 
 
 def test_gguf_errors(tmp_path: Path) -> None:
@@ -558,8 +542,8 @@ def test_gguf_errors(tmp_path: Path) -> None:
 
 
 def test_gguf_reader_fallback_agrees(tiny_gguf: SimpleNamespace) -> None:
-    fast = tokenizer_module.read_gguf_metadata(tiny_gguf.path)
-    slow = tokenizer_module._read_metadata_with_gguf(tiny_gguf.path)
+    fast = gguf_tokenizer.read_gguf_metadata(tiny_gguf.path)
+    slow = gguf_tokenizer._read_metadata_with_gguf(tiny_gguf.path)
     keys = ["tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges"]
     keys += [
         "tokenizer.ggml.bos_token_id",

@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specfork.cache import KVCache
-from specfork.errors import ConfigError
 from specfork.tree import (
     Tree,
     TreeBuilder,
@@ -133,7 +132,7 @@ def test_equality_and_hash_compare_contents():
     ],
 )
 def test_invalid_trees_are_rejected(tokens, parents, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ValueError, match=message):
         Tree(torch.tensor(tokens), torch.tensor(parents))
 
 
@@ -158,7 +157,7 @@ def test_from_forks_merges_shared_prefixes_into_a_trie():
 
 
 def test_from_forks_needs_one_continuation_per_fork():
-    with pytest.raises(ConfigError, match="one continuation per first token"):
+    with pytest.raises(ValueError, match="one continuation per first token"):
         from_forks([1, 2], [[3]])
 
 
@@ -174,7 +173,7 @@ def test_tree_builder_trie():
     tree = builder.build()
     assert tree.tokens.tolist() == [1, 2, 3, 4, 2, 4, 2]
     assert tree.parents.tolist() == [-1, 0, 1, 1, -1, 4, 0]
-    with pytest.raises(ConfigError, match="parent 9"):
+    with pytest.raises(ValueError, match="parent 9"):
         builder.add(9, 1)
 
 
@@ -198,7 +197,7 @@ def test_prune_everything_and_nothing():
     assert len(pruned) == 0 and index_map.tolist() == [-1, -1, -1]
     pruned, index_map = prune(tree, torch.ones(3, dtype=torch.bool))
     assert torch.equal(pruned.tokens, tree.tokens) and index_map.tolist() == [0, 1, 2]
-    with pytest.raises(ConfigError, match="keep_mask"):
+    with pytest.raises(ValueError, match="keep_mask"):
         prune(tree, torch.ones(2, dtype=torch.bool))
 
 

@@ -57,7 +57,6 @@ from distribution import (
     unclamped_residual,
 )
 from specfork.config import SamplingParams
-from specfork.errors import ConfigError
 from specfork.sampling import probabilities
 from specfork.tree import Tree, chain, children
 from specfork.verify import Verdict, one_hot_q, verify_greedy, verify_sampling
@@ -208,7 +207,7 @@ def test_typical_with_a_one_hot_target_equals_greedy():
 def test_typical_validates_its_parameters():
     p = torch.full((1, 3), 1 / 3)
     for epsilon, delta in [(0.0, 0.3), (1.5, 0.3), (0.1, 0.0), (0.1, -1.0)]:
-        with pytest.raises(ConfigError):
+        with pytest.raises(ValueError):
             verify_tree_typical(chain([]), p, epsilon, delta)
 
 

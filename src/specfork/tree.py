@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specfork.errors import ConfigError
-
 
 @dataclass(frozen=True, slots=True)
 class Tree:
@@ -42,21 +40,21 @@ class Tree:
         parents = torch.as_tensor(self.parents)
         for name, t in (("tokens", tokens), ("parents", parents)):
             if t.dim() != 1:
-                raise ConfigError(f"tree {name} must be 1-D, got shape {tuple(t.shape)}")
+                raise ValueError(f"tree {name} must be 1-D, got shape {tuple(t.shape)}")
             if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-                raise ConfigError(f"tree {name} must be integers, got {t.dtype}")
+                raise ValueError(f"tree {name} must be integers, got {t.dtype}")
         if tokens.shape != parents.shape:
-            raise ConfigError(
+            raise ValueError(
                 f"tree tokens and parents must have the same length, got {tokens.shape[0]} "
                 f"tokens and {parents.shape[0]} parents"
             )
         tokens, parents = tokens.long(), parents.long()
         if tokens.numel() and int(tokens.min()) < 0:
-            raise ConfigError(f"tree tokens must be non-negative ids, got {tokens.tolist()}")
+            raise ValueError(f"tree tokens must be non-negative ids, got {tokens.tolist()}")
         links = parents.tolist()  # plain Python: trees are small, tensor ops cost more here
         bad = next((i for i, parent in enumerate(links) if not -1 <= parent < i), None)
         if bad is not None:
-            raise ConfigError(
+            raise ValueError(
                 f"tree node {bad} has parent {links[bad]}: a parent must be -1 (the root) or "
                 f"an earlier node (topological order), parents = {links}"
             )
@@ -100,7 +98,7 @@ class TreeBuilder:
     def add(self, parent: int, token: int, merge: bool = True) -> int:
         """Index of a node `token` under `parent` (-1 = root): the existing one if `merge`."""
         if not -1 <= parent < len(self.tokens):
-            raise ConfigError(f"parent {parent} is not -1 or an existing node (0..{len(self) - 1})")
+            raise ValueError(f"parent {parent} is not -1 or an existing node (0..{len(self) - 1})")
         key = (int(parent), int(token))
         if merge and key in self._index:
             return self._index[key]
@@ -138,7 +136,7 @@ def from_forks(
     """
     first = torch.as_tensor(first_tokens).tolist()
     if len(first) != len(continuations):
-        raise ConfigError(
+        raise ValueError(
             f"from_forks needs one continuation per first token, got {len(first)} first tokens "
             f"and {len(continuations)} continuations"
         )
@@ -246,7 +244,7 @@ def prune(tree: Tree, keep_mask: torch.Tensor) -> tuple[Tree, torch.Tensor]:
     """
     keep = torch.as_tensor(keep_mask, dtype=torch.bool).tolist()
     if len(keep) != len(tree):
-        raise ConfigError(f"keep_mask has {len(keep)} entries for a tree of {len(tree)} nodes")
+        raise ValueError(f"keep_mask has {len(keep)} entries for a tree of {len(tree)} nodes")
     parents = tree.parents.tolist()
     index_map = [-1] * len(tree)
     new_parents = []

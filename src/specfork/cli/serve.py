@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from specfork.engine import Generator
 
 log = logging.getLogger(__name__)
+SERVED_STRATEGIES = 16  # strategies kept built for requests (the most recently used)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -97,6 +98,8 @@ def _load_generator(args: argparse.Namespace, spec: SpecConfig) -> Generator:
     from specfork.loading.loader import load_model
 
     loaded = load_model(args.model, progress=False, **model_options(args))
-    generator = Generator(loaded, spec=spec, max_context=args.max_context)
+    generator = Generator(
+        loaded, spec=spec, max_context=args.max_context, max_strategies=SERVED_STRATEGIES
+    )
     generator.warm_up()
     return generator

@@ -40,15 +40,15 @@ class DraftShape:
 
     def __post_init__(self) -> None:
         if self.kind not in SHAPE_KINDS:
-            raise ConfigError(f"draft shape kind must be one of {SHAPE_KINDS}, got {self.kind!r}")
+            raise ValueError(f"draft shape kind must be one of {SHAPE_KINDS}, got {self.kind!r}")
         for name in ("depth", "forks", "budget", "model_depth"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ConfigError(f"draft shape {name} must be an integer, got {value!r}")
+                raise ValueError(f"draft shape {name} must be an integer, got {value!r}")
             if value is not None and value < 0:
-                raise ConfigError(f"draft shape {name} must be >= 0, got {value}")
+                raise ValueError(f"draft shape {name} must be >= 0, got {value}")
         if not self.tau >= 0:
-            raise ConfigError(f"draft shape tau must be >= 0, got {self.tau}")
+            raise ValueError(f"draft shape tau must be >= 0, got {self.tau}")
 
     @property
     def max_nodes(self) -> int:

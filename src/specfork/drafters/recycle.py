@@ -15,7 +15,6 @@ import heapq
 
 import torch
 
-from specfork.errors import ConfigError
 from specfork.tree import Tree, TreeBuilder
 
 UNKNOWN = -1  # table entry: no candidate recorded
@@ -33,15 +32,15 @@ class RecycleTable:
     ) -> None:
         """`prior` [V, width]: the rows `reset` starts from (default: every row unknown)."""
         if not (isinstance(vocab_size, int) and vocab_size >= 1):
-            raise ConfigError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
         if not (isinstance(width, int) and 1 <= width <= vocab_size):
-            raise ConfigError(f"width must be an integer in 1..{vocab_size}, got {width!r}")
+            raise ValueError(f"width must be an integer in 1..{vocab_size}, got {width!r}")
         self.vocab_size = vocab_size
         self.width = width
         # int32 halves the memory of int64; ids fit (vocabularies are < 2**31)
         self.table = torch.full((vocab_size, width), UNKNOWN, dtype=torch.int32, device=device)
         if prior is not None and prior.shape != self.table.shape:
-            raise ConfigError(
+            raise ValueError(
                 f"a recycle prior must be [{vocab_size}, {width}], got {tuple(prior.shape)}"
             )
         self.prior = None if prior is None else prior.to(device=device, dtype=torch.int32)
@@ -88,7 +87,7 @@ class RecycleTable:
         """Up to k (default: width) known successors of `token`, best first; [] if unknown."""
         k = self.width if k is None else k
         if k < 0:
-            raise ConfigError(f"number of candidates must be >= 0, got {k}")
+            raise ValueError(f"number of candidates must be >= 0, got {k}")
         row = self.table[int(token), :k].tolist()
         return [t for t in row if t != UNKNOWN]
 
@@ -100,7 +99,7 @@ class RecycleTable:
         knows no successor. Identical (parent, token) pairs are merged.
         """
         if forks < 0 or depth < 1:
-            raise ConfigError(f"need forks >= 0 and depth >= 1, got forks={forks}, depth={depth}")
+            raise ValueError(f"need forks >= 0 and depth >= 1, got forks={forks}, depth={depth}")
         builder = TreeBuilder()
         top1 = self.table[:, 0]  # [V] each token's best successor
         for first in self.candidates(root, forks):
@@ -127,7 +126,7 @@ class RecycleTable:
         are tried best rank first. Siblings are distinct (duplicates in a row are skipped).
         """
         if budget < 0 or max_depth < 1 or branch < 1:
-            raise ConfigError(
+            raise ValueError(
                 f"need budget >= 0, max_depth >= 1 and branch >= 1, got budget={budget}, "
                 f"max_depth={max_depth}, branch={branch}"
             )

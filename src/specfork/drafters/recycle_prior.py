@@ -11,28 +11,24 @@ target predicted there (the newest information wins), so the prior only fills th
 Only the first `PRIOR_IDS` ids get a row: BPE and SentencePiece vocabularies are ordered by
 merge rank / frequency, and on SmolLM2's dev-prompt outputs ids below 16 384 are 95% of the
 tokens (below 8 192: 89%) — a third of the cost of the whole 49k vocabulary. Measured there
-(context "\n"): the prior's top-1 is the next token for 15% of the output bigrams, its top-4
-holds it for 31%. The table is saved under the cache folder (`recycle/`), keyed by the weight
-file's identity: computed once per model file (about 25 s for SmolLM2 in bf16 on two cores).
+(context "\n"). The table is saved under the cache folder (`recycle/`), keyed by the weight
+file's identity: computed once per model file.
 
-Off by default (`recycle_prior=True` or `--recycle-prior` turns it on): on the dev prompts it cut
-the rounds with an empty tree from 37-40% to 4-5% and the fallback rounds from 70% to 56-60%,
-but on two CPU cores a tree round costs a fixed 3.5 ms plus 1.9 ms per node over a 20 ms
-one-row round, so the new trees cost about what they return (speed unchanged within the
-noise). Where extra verification rows are nearly free (a GPU) it is worth turning on.
+Off by default (`recycle_prior=True` or `--recycle-prior` turns it on): it fills the trees of
+rounds that would have none, which pays where extra verification rows are nearly free; what it
+measured on the CPU is in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from specfork.atomic import atomic_file
 from specfork.drafters.recycle import UNKNOWN
 from specfork.loading.weight_cache import source_digest
 from specfork.models.base import DecoderLM
@@ -103,10 +99,7 @@ def load_or_compute(
 def _save(table: torch.Tensor, path: Path) -> None:
     """Write atomically; a failure only logs a warning (the prior is then recomputed)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".partial")
-        os.close(fd)
-        save_file({"prior": table.contiguous()}, tmp)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            save_file({"prior": table.contiguous()}, tmp)
     except OSError as exc:
         log.warning("cannot cache the recycle prior in %s (%s)", path.parent, exc)

@@ -34,7 +34,7 @@ from specfork.strategies.policies import DraftPolicy
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[dict[str, str]]
-MAX_KEPT_STRATEGIES = 8  # built strategies (drafters with their caches) kept for reuse
+MAX_KEPT_STRATEGIES = 8  # default: built strategies (drafters with their caches) kept for reuse
 
 
 @dataclass
@@ -70,7 +70,8 @@ class Generator:
     protocol) and/or `policy` replace the ones `spec` would build. `cost_curve` is what the
     goodput gate assumes a forward of R rows costs (default: `model.cost_curve()`, measured
     once per model at the first request that needs it); a fixed curve makes draft lengths
-    reproducible across processes.
+    reproducible across processes. Strategies a request asks for (`spec=`) are built once and
+    kept: the `max_strategies` most recently used, the default strategy always.
     """
 
     def __init__(
@@ -83,12 +84,18 @@ class Generator:
         max_context: int | None = None,
         prefill_chunk: int = 512,
         cost_curve: CostCurve | None = None,
+        max_strategies: int = MAX_KEPT_STRATEGIES,
     ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         limit = loaded.config.max_position
         self.context = min(limit, max_context) if max_context else limit
         self.prefill_chunk = prefill_chunk
+        if isinstance(max_strategies, bool) or not isinstance(max_strategies, int):
+            raise ConfigError(f"max_strategies must be an integer >= 1, got {max_strategies!r}")
+        if max_strategies < 1:
+            raise ConfigError(f"max_strategies must be an integer >= 1, got {max_strategies}")
+        self.max_strategies = max_strategies
         self.spec = spec or SpecConfig()
         self._check_k(self.spec)
         if drafter is not None:
@@ -183,9 +190,9 @@ class Generator:
         if spec not in self._strategies:
             self._check_k(spec)
             self._strategies[spec] = build_strategy(spec, self._loaded)
-            if len(self._strategies) > MAX_KEPT_STRATEGIES:  # forget the least recently used
-                oldest = next(s for s in self._strategies if s != self.default_spec)
-                del self._strategies[oldest]
+            others = [s for s in self._strategies if s not in (self.default_spec, spec)]
+            if len(self._strategies) > self.max_strategies and others:
+                del self._strategies[others[0]]  # the least recently used
         self._strategies.move_to_end(spec)
         self.spec = spec
         self.drafter, self.policy = self._strategies[spec]

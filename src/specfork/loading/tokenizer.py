@@ -1,49 +1,39 @@
 """Tokenizers for specfork models, from a Hugging Face folder or from GGUF metadata.
 
 :class:`Tokenizer` wraps a fast ``tokenizers.Tokenizer`` plus what generation needs: the BOS id and
-whether :meth:`Tokenizer.encode` prepends it, every id that ends a turn, and the chat template,
-which is rendered exactly the way transformers renders it.
-
-A GGUF file carries no ``tokenizer.json``. The first :meth:`Tokenizer.from_gguf` of a file has
-transformers convert its metadata (slow: seconds, it imports transformers) and writes the result to
-a cache folder; later loads of the same, unchanged file read only that cache with the
-``tokenizers`` library, without importing transformers.
-
-:class:`StreamDecoder` turns a stream of token ids into text the way vLLM's
-``detokenize_incrementally`` does: it decodes a small window of recent tokens and emits the
-difference, so byte-level tokens never show half a character and SentencePiece tokens keep the
-spaces they only get in context.
+whether :meth:`Tokenizer.encode` prepends it, every id that ends a turn, and the chat template
+(rendered as transformers renders it: `chat_template`). A GGUF file's tokenizer is converted
+once and cached (`gguf_tokenizer`); generated ids become text through `stream_decode`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import json
 import logging
-import os
-import struct
-import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime
-from functools import lru_cache
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
 from specfork.errors import ConfigError, ModelFormatError, PromptError
+from specfork.loading.chat_template import compile_chat_template, template_messages
+from specfork.loading.gguf_tokenizer import (
+    CACHE_FORMAT,
+    convert_gguf,
+    gguf_cache_key,
+    read_cache_entry,
+    write_cache_entry,
+)
+from specfork.loading.stream_decode import StreamDecoder
 
 if TYPE_CHECKING:
-    import jinja2
+    pass
 
 logger = logging.getLogger(__name__)
 
-#: Bumped whenever the cache layout or the meaning of a sidecar field changes.
-CACHE_FORMAT = 1
 TOKENIZER_FILE = "tokenizer.json"
-SIDECAR_FILE = "specfork_tokenizer.json"
 
 #: The named special tokens transformers passes to a chat template (``special_tokens_map``).
 SPECIAL_TOKEN_NAMES = (
@@ -55,16 +45,7 @@ SPECIAL_TOKEN_NAMES = (
     "cls_token",
     "mask_token",
 )
-#: How many already-shown tokens a StreamDecoder keeps as decoding context (vLLM uses 5).
-STREAM_CONTEXT = 5
-REPLACEMENT_CHAR = "\ufffd"
 _END_OF_TURN_PROBE = "SpecforkEndOfTurnProbe"
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-_GGUF_EOS_KEYS = (
-    "tokenizer.ggml.eos_token_id",
-    "tokenizer.ggml.eot_token_id",
-    "tokenizer.ggml.eom_token_id",
-)
 
 
 class Tokenizer:
@@ -126,21 +107,50 @@ class Tokenizer:
         if not path.is_file():
             raise ModelFormatError(f"GGUF file {path} does not exist or is not a regular file.")
         entry = Path(cache_dir) / f"gguf-{gguf_cache_key(path)}"
-        cached = _load_cache_entry(entry)
+        cached = cls._from_cache(entry)
         if cached is not None:
             logger.debug("Loaded the tokenizer of %s from the cache %s", path, entry)
             return cached
         started = time.perf_counter()
         logger.info("Converting the tokenizer of %s (once; cached in %s)", path, entry)
-        backend, sidecar = _convert_gguf(path)
+        backend, fields = convert_gguf(path)
+        tokenizer = cls(backend, **fields)
+        tokenizer.eos_ids |= tokenizer.end_of_turn_ids()
         logger.info("Converted the tokenizer of %s in %.1f s", path, time.perf_counter() - started)
         try:
-            _write_cache_entry(entry, backend, sidecar)
+            write_cache_entry(entry, backend, tokenizer._sidecar())
         except OSError as error:
             logger.warning("Cannot write the tokenizer cache %s (%s); not caching", entry, error)
-            return _from_sidecar(backend, sidecar)
+            return tokenizer
         # Read the entry back, so a first load behaves exactly like every cached one.
-        return _load_cache_entry(entry) or _from_sidecar(backend, sidecar)
+        return cls._from_cache(entry) or tokenizer
+
+    @classmethod
+    def _from_cache(cls, entry: Path) -> Tokenizer | None:
+        """The tokenizer cached in ``entry``, or ``None`` if it is missing, stale or damaged."""
+        cached = read_cache_entry(entry)
+        if cached is None:
+            return None
+        backend, sidecar = cached
+        try:
+            tokenizer = cls(
+                backend,
+                bos_id=sidecar["bos_id"],
+                eos_ids=sidecar["eos_ids"],
+                chat_template=sidecar["chat_template"],
+                template_tokens=sidecar["template_tokens"],
+                source=sidecar["source"],
+            )
+        except Exception as error:  # a damaged cache is rebuilt, never fatal
+            logger.warning("Ignoring the damaged tokenizer cache %s: %s", entry, error)
+            return None
+        if (sidecar.get("vocab_size"), sidecar.get("add_bos")) != (
+            tokenizer.vocab_size,
+            tokenizer.add_bos,
+        ):
+            logger.warning("Ignoring the inconsistent tokenizer cache %s", entry)
+            return None
+        return tokenizer
 
     # ----------------------------------------------------------------------------- encode/decode
 
@@ -190,10 +200,10 @@ class Tokenizer:
             )
         import jinja2
 
-        template = _compile_chat_template(self.chat_template, self.source)
+        template = compile_chat_template(self.chat_template, self.source)
         try:
             return template.render(
-                messages=_template_messages(messages),
+                messages=template_messages(messages),
                 tools=None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
@@ -255,45 +265,6 @@ class Tokenizer:
             f" eos_ids={sorted(self.eos_ids)}, add_bos={self.add_bos},"
             f" chat_template={'yes' if self.chat_template else 'no'})"
         )
-
-
-class StreamDecoder:
-    """Incremental detokenizer: :meth:`feed` ids one by one and get the new text of each.
-
-    It keeps a window of the ids since the last emitted text plus a few before it, decodes the
-    window with and without the newest ids and emits the difference. Text that ends in U+FFFD (an
-    incomplete UTF-8 character) is held back until the character is complete.
-    """
-
-    def __init__(self, decode: Callable[[Sequence[int]], str], context: Sequence[int] = ()) -> None:
-        """``decode`` turns ids into text; ``context`` are ids already shown before the stream."""
-        self._decode = decode
-        self._ids: list[int] = [int(i) for i in context][-STREAM_CONTEXT:]
-        self._read = len(self._ids)  # ids before this index have been emitted
-
-    def feed(self, token_id: int) -> str:
-        """Add one id; return the text it completes (may be empty)."""
-        self._ids.append(int(token_id))
-        shown, text = self._texts()
-        if len(text) <= len(shown) or text.endswith(REPLACEMENT_CHAR):
-            return ""
-        self._advance()
-        return text[len(shown) :]
-
-    def flush(self) -> str:
-        """Return whatever is still held back (an incomplete character becomes U+FFFD)."""
-        shown, text = self._texts()
-        self._advance()
-        return text[len(shown) :] if len(text) > len(shown) else ""
-
-    def _texts(self) -> tuple[str, str]:
-        """The window decoded without and with the ids not yet emitted."""
-        return self._decode(self._ids[: self._read]), self._decode(self._ids)
-
-    def _advance(self) -> None:
-        """Mark everything as emitted; the emitted part becomes the next window's context."""
-        self._ids = self._ids[self._read :]
-        self._read = len(self._ids)
 
 
 # ================================================================================= folder loading
@@ -401,287 +372,3 @@ def _folder_chat_template(path: Path, tokenizer_config: Mapping[str, Any]) -> st
             logger.warning("%s has several chat templates but no 'default'; using none", path)
         template = template.get("default")
     return template if isinstance(template, str) else None
-
-
-# ================================================================================= chat templates
-
-
-@lru_cache(maxsize=16)
-def _compile_chat_template(source: str, origin: str) -> jinja2.Template:
-    """Compile a chat template in the sandboxed environment transformers uses."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_generation_tag_extension(), jinja2.ext.loopcontrols],
-    )
-    environment.filters["tojson"] = _tojson
-    environment.globals["raise_exception"] = _raise_exception
-    environment.globals["strftime_now"] = _strftime_now
-    environment.globals["dict"] = _TemplateDict()
-    environment.globals["namespace"] = _template_namespace()
-    try:
-        return environment.from_string(source)
-    except jinja2.TemplateSyntaxError as error:
-        raise ModelFormatError(
-            f"The chat template of {origin} is not valid Jinja: {error}"
-        ) from error
-
-
-def _raise_exception(message: str) -> None:
-    """``raise_exception(...)`` in a template: the template rejects the messages."""
-    import jinja2
-
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """transformers' ``tojson``: plain ``json.dumps``, without Jinja's HTML escaping."""
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(format: str) -> str:
-    """``strftime_now("%d %b %Y")`` in a template: the current local time."""
-    return datetime.now().strftime(format)
-
-
-class _TemplateDict:
-    """``dict(...)`` in a template, without exposing the ``dict`` type itself."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args, **kwargs)
-
-
-def _template_namespace() -> type:
-    """Jinja's ``namespace`` that refuses underscore names, as transformers' does."""
-    import jinja2.exceptions
-    import jinja2.utils
-
-    def check(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"Chat templates cannot store underscore-prefixed attributes, got {name!r}."
-            )
-
-    class TemplateNamespace(jinja2.utils.Namespace):
-        def __init__(*args: Any, **kwargs: Any) -> None:  # same signature trick as Namespace
-            self, rest = args[0], args[1:]
-            attributes = dict(*rest, **kwargs)
-            for name in attributes:
-                check(name)
-            jinja2.utils.Namespace.__init__(self, attributes)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    return TemplateNamespace
-
-
-def _generation_tag_extension() -> type:
-    """``{% generation %}...{% endgeneration %}``, which only marks text, rendered as its body."""
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-
-    class GenerationTag(Extension):
-        tags: ClassVar[set[str]] = {"generation"}
-
-        def parse(self, parser: Any) -> nodes.Node:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Callable[[], str]) -> str:
-            return caller()
-
-    return GenerationTag
-
-
-def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as transformers hands them to a template: no ``None`` values, reasoning aliased."""
-    prepared = []
-    for message in messages:
-        if not isinstance(message, Mapping):
-            raise PromptError(f"A chat message must be a dict, not {type(message).__name__}.")
-        message = {key: value for key, value in message.items() if value is not None}
-        reasoning = next((message[key] for key in _REASONING_FIELDS if key in message), None)
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        prepared.append(message)
-    return prepared
-
-
-# ================================================================================= GGUF and cache
-
-
-def gguf_cache_key(path: Path) -> str:
-    """A cheap key that changes when the file changes: real path, size, mtime, tool versions."""
-    stat = path.stat()
-    parts = [
-        str(CACHE_FORMAT),
-        os.path.realpath(path),
-        str(stat.st_size),
-        str(stat.st_mtime_ns),
-        _package_version("tokenizers"),
-        _package_version("transformers"),
-    ]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
-
-
-def _package_version(name: str) -> str:
-    """An installed package's version, read from its metadata (no import)."""
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
-
-
-def _load_cache_entry(entry: Path) -> Tokenizer | None:
-    """The tokenizer cached in ``entry``, or ``None`` if it is missing, stale or damaged."""
-    sidecar_file = entry / SIDECAR_FILE
-    if not sidecar_file.is_file():
-        return None
-    try:
-        sidecar = json.loads(sidecar_file.read_text(encoding="utf-8"))
-        tokenizer = _from_sidecar(BackendTokenizer.from_file(str(entry / TOKENIZER_FILE)), sidecar)
-    except Exception as error:  # a damaged cache is rebuilt, never fatal
-        logger.warning("Ignoring the damaged tokenizer cache %s: %s", entry, error)
-        return None
-    expected = (CACHE_FORMAT, tokenizer.vocab_size, tokenizer.add_bos)
-    if (sidecar.get("format"), sidecar.get("vocab_size"), sidecar.get("add_bos")) != expected:
-        logger.warning("Ignoring the inconsistent tokenizer cache %s", entry)
-        return None
-    return tokenizer
-
-
-def _from_sidecar(backend: BackendTokenizer, sidecar: Mapping[str, Any]) -> Tokenizer:
-    """A :class:`Tokenizer` from a backend and the sidecar fields written with it."""
-    return Tokenizer(
-        backend,
-        bos_id=sidecar["bos_id"],
-        eos_ids=sidecar["eos_ids"],
-        chat_template=sidecar["chat_template"],
-        template_tokens=sidecar["template_tokens"],
-        source=sidecar["source"],
-    )
-
-
-def _write_cache_entry(entry: Path, backend: BackendTokenizer, sidecar: Mapping[str, Any]) -> None:
-    """Write ``tokenizer.json`` then the sidecar, each atomically; the sidecar marks completion."""
-    entry.mkdir(parents=True, exist_ok=True)
-    _write_atomic(entry / TOKENIZER_FILE, backend.to_str())
-    _write_atomic(entry / SIDECAR_FILE, json.dumps(sidecar, ensure_ascii=False, indent=1))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file next to ``path`` and rename it into place."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is not secret
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _convert_gguf(path: Path) -> tuple[BackendTokenizer, dict[str, Any]]:
-    """Build the tokenizer of a GGUF file with transformers; return it and its cache sidecar."""
-    metadata = read_gguf_metadata(path)
-    _require_tokenizer_metadata(path, metadata)
-    hf_tokenizer = _transformers_gguf_tokenizer(path, metadata)
-    backend = hf_tokenizer.backend_tokenizer
-    if backend.get_vocab_size(with_added_tokens=True) != metadata["tokenizer.ggml.tokens"]:
-        logger.warning("transformers' tokenizer of %s has a different vocabulary size", path)
-    eos_ids = [metadata[key] for key in _GGUF_EOS_KEYS if isinstance(metadata.get(key), int)]
-    tokenizer = Tokenizer(
-        backend,
-        bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_ids=eos_ids,
-        chat_template=metadata.get("tokenizer.chat_template"),
-        template_tokens={k: str(v) for k, v in hf_tokenizer.special_tokens_map.items()},
-        source=os.path.realpath(path),
-    )
-    tokenizer.eos_ids |= tokenizer.end_of_turn_ids()
-    return backend, tokenizer._sidecar()
-
-
-def _require_tokenizer_metadata(path: Path, metadata: Mapping[str, Any]) -> None:
-    """Raise :class:`ModelFormatError` unless the file describes a tokenizer."""
-    missing = [
-        key for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens") if key not in metadata
-    ]
-    if missing:
-        raise ModelFormatError(
-            f"GGUF file {path} has no tokenizer: its metadata lacks {', '.join(missing)}."
-        )
-
-
-def _transformers_gguf_tokenizer(path: Path, metadata: Mapping[str, Any]) -> Any:
-    """transformers' fast tokenizer for the file, loaded from a folder holding only the file.
-
-    The file is linked into an empty temporary folder so that tokenizer files lying next to it
-    (a Hugging Face snapshot, say) cannot mix into the conversion.
-    """
-    from transformers import AutoTokenizer
-
-    with tempfile.TemporaryDirectory(prefix="specfork-gguf-") as folder:
-        link = Path(folder) / path.name
-        try:
-            link.symlink_to(path.resolve())
-        except OSError:  # no symlinks here (some Windows setups): use the file's own folder
-            folder, link = str(path.parent), path
-        try:
-            return AutoTokenizer.from_pretrained(folder, gguf_file=link.name)
-        except Exception as error:  # transformers raises many types for files it cannot convert
-            kind = metadata.get("tokenizer.ggml.model")
-            raise ModelFormatError(
-                f"transformers cannot build the tokenizer (tokenizer.ggml.model={kind!r}) of "
-                f"GGUF file {path}: {error}"
-            ) from error
-
-
-def read_gguf_metadata(path: Path) -> dict[str, Any]:
-    """A GGUF file's metadata; string arrays (the vocabulary, the merges) appear as their length.
-
-    Uses transformers' header reader, which skips the big arrays, when it exists; otherwise
-    ``gguf.GGUFReader`` (much slower on large vocabularies).
-    """
-    try:
-        from transformers.integrations.gguf.reader import read_gguf_metadata as fast_reader
-    except ImportError:
-        fast_reader = None
-    try:
-        if fast_reader is not None:
-            return fast_reader(str(path))[0]
-        return _read_metadata_with_gguf(path)
-    except (OSError, ValueError, KeyError, IndexError, struct.error, UnicodeDecodeError) as error:
-        raise ModelFormatError(f"Cannot read the GGUF metadata of {path}: {error}") from error
-
-
-def _read_metadata_with_gguf(path: Path) -> dict[str, Any]:
-    """Metadata via ``gguf.GGUFReader``: scalars as values, string arrays as their length."""
-    from gguf import GGUFReader, GGUFValueType
-
-    metadata: dict[str, Any] = {}
-    for key, field in GGUFReader(path).fields.items():
-        if field.types[:1] == [GGUFValueType.ARRAY] and field.types[-1] == GGUFValueType.STRING:
-            metadata[key] = len(field.data)
-        else:
-            metadata[key] = field.contents()
-    return metadata

@@ -10,14 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from specfork.atomic import atomic_file
 from specfork.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -57,18 +56,9 @@ def read(path: Path) -> Converted | None:
 
 def write(path: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
     """Save converted weights atomically; a failure to write only logs a warning."""
+    contiguous = {k: v.contiguous() for k, v in tensors.items()}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".partial")
-        os.close(fd)
-    except OSError as exc:
-        log.warning("cannot cache converted weights in %s (%s)", path.parent, exc)
-        return
-    try:
-        contiguous = {k: v.contiguous() for k, v in tensors.items()}
-        save_file(contiguous, tmp, metadata={"config": json.dumps(cfg.to_dict())})
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            save_file(contiguous, tmp, metadata={"config": json.dumps(cfg.to_dict())})
     except OSError as exc:
         log.warning("cannot cache converted weights at %s (%s)", path, exc)
-    finally:
-        Path(tmp).unlink(missing_ok=True)

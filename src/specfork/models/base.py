@@ -149,7 +149,7 @@ class DecoderLM(Steps, nn.Module):
 
     # -- CPU kernel choices (measured in docs/benchmarks.md) ----------------------------------
     def _kernels_for(self, rows: int) -> AbstractContextManager[None]:
-        """One-row bf16 products on the CPU run ~2x faster in ATen's own GEMV than in oneDNN.
+        """One-row bf16 products on the CPU run faster in ATen's own GEMV than in oneDNN.
 
         oneDNN stays on for several rows (verification, prefill), where it is much faster.
         The switch is process-wide while a forward runs; one engine thread owns the model.
@@ -160,8 +160,8 @@ class DecoderLM(Steps, nn.Module):
     def use_column_major_weights(self) -> None:
         """Store every linear weight [out, in] column-major (its transpose contiguous).
 
-        In fp32 on the CPU this makes a one-row product a contiguous GEMV: 34 ms instead of
-        51 ms for all of SmolLM2's linear layers, for ~14% more at 4-8 rows.
+        In fp32 on the CPU this makes a one-row product a contiguous GEMV (faster at one row,
+        a little slower at 4-8 rows; docs/benchmarks.md).
         """
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -171,7 +171,7 @@ class DecoderLM(Steps, nn.Module):
             self.embed_tokens.weight = self.lm_head.weight
 
     def use_packed_weights(self) -> bool:
-        """Pack every linear weight for oneDNN (CPU bf16 multi-row products ~2x faster).
+        """Pack every linear weight for oneDNN (faster CPU bf16 multi-row products).
 
         Returns False (and changes nothing) where oneDNN's bf16 kernels are not available.
         """

@@ -15,9 +15,9 @@ from specfork.config import ModelConfig, RopeConfig
 class Linear(nn.Linear):
     """nn.Linear that can also keep a oneDNN-packed copy of its weight for multi-row inputs.
 
-    On the CPU in bf16, oneDNN re-lays the weight out on every call unless it is packed once:
-    packed, 5 rows through all of SmolLM2's linear layers take 10 ms instead of 21 ms
-    (docs/benchmarks.md). One row still goes through the plain weight (ATen's GEMV is faster).
+    On the CPU in bf16, oneDNN re-lays the weight out on every call unless it is packed once
+    (what that saves: docs/benchmarks.md). One row still goes through the plain weight (ATen's
+    GEMV is faster there).
     """
 
     packed: torch.Tensor | None = None

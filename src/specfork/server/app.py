@@ -47,7 +47,7 @@ def create_app(
 
     `thread` is the single-thread executor (`specfork.engine.thread.model_thread()`) that loaded
     the generator's model: requests run there, at full speed. `settings` are the other
-    `ServerSettings` fields (retry_after, max_strategies, default_max_tokens, max_body_bytes).
+    `ServerSettings` fields (retry_after, default_max_tokens, max_body_bytes).
     The engine worker runs between startup and shutdown.
     """
     config = ServerSettings(

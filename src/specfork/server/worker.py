@@ -61,7 +61,6 @@ class ServerSettings:
     queue_size: int = 64  # requests that may wait; one more is running
     plain_above_queue: int | None = None  # waiting requests above which decoding goes plain
     retry_after: int = 1  # seconds, sent with HTTP 429
-    max_strategies: int = 16  # distinct strategies kept built (each may hold a drafter)
     default_max_tokens: int = 256
     max_body_bytes: int = 8 * 1024 * 1024
 
@@ -71,7 +70,6 @@ class ServerSettings:
         for name in (
             "queue_size",
             "retry_after",
-            "max_strategies",
             "default_max_tokens",
             "max_body_bytes",
         ):
@@ -158,7 +156,6 @@ class EngineWorker:
         self._lock = threading.Lock()
         self._stopping = False
         self._current: Job | None = None
-        self._specs = {engine.default_spec, PLAIN}
         self._executor = thread or model_thread()
         self._owns_executor = thread is None
         self._running: Future[None] | None = None
@@ -244,7 +241,6 @@ class EngineWorker:
         started = time.perf_counter()
         spec, plain = self._choose_spec(job.spec)
         try:
-            self._check_known(spec)
             stream = self.engine.stream(
                 job.ids, config=job.config, sampling=job.sampling, spec=spec
             )
@@ -252,7 +248,6 @@ class EngineWorker:
             param = job.prompt_param if isinstance(exc, PromptError) else None
             job.emit(Event("error", error=APIError(str(exc), param=param)))
             return
-        self._specs.add(spec)
         job.emit(Event("start", spec=spec, plain_under_load=plain))
         result = self._drain(job, stream)
         if result is None:
@@ -264,13 +259,6 @@ class EngineWorker:
         latency = time.perf_counter() - job.created
         self.metrics.observe_generation(result.stats, len(result.token_ids), ttft, latency)
         job.emit(Event("done", result=result, spec=spec, plain_under_load=plain))
-
-    def _check_known(self, spec: SpecConfig) -> None:
-        if spec not in self._specs and len(self._specs) >= self.settings.max_strategies:
-            raise SpecforkError(
-                f"this server keeps at most {self.settings.max_strategies} distinct strategies "
-                "built; use one of the speculative settings already in use"
-            )
 
     @staticmethod
     def _drain(job: Job, stream: Iterable[str]) -> GenerationResult | None:

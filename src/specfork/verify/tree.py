@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from specfork.errors import ConfigError
 from specfork.sampling import sample
 from specfork.tree import Tree, children, paths
 from specfork.verify import Verdict
@@ -135,9 +134,9 @@ def verify_tree_typical(
     epsilon in (0, 1] (Medusa's posterior_threshold), delta > 0 (posterior_alpha).
     """
     if not 0.0 < epsilon <= 1.0:
-        raise ConfigError(f"typical acceptance needs 0 < epsilon <= 1, got {epsilon}")
+        raise ValueError(f"typical acceptance needs 0 < epsilon <= 1, got {epsilon}")
     if not delta > 0.0:
-        raise ConfigError(f"typical acceptance needs delta > 0, got {delta}")
+        raise ValueError(f"typical acceptance needs delta > 0, got {delta}")
     _check_rows(tree, p, "p")
     entropy = torch.special.entr(p.double()).sum(-1)  # [N + 1] nats
     threshold = (delta * torch.exp(-entropy)).clamp_max(epsilon)  # [N + 1]
