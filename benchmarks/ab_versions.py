@@ -1,7 +1,9 @@
 """Two versions of specfork side by side: is a change (a refactor) free of slowdowns?
 
 Each version runs in its own worker process (PYTHONPATH = its `src` folder), loads the default
-model once, builds every strategy and warms it up; then the prompts are sent to the two workers
+model once, builds every strategy and warms it up; both use the goodput gate's cost curve that
+A measured (a curve measured in each process would differ by timing noise and make the two
+gates draft differently). Then the prompts are sent to the two workers
 alternately (the version that goes first alternates too), so both see the same machine state.
 Only one worker computes at a time. Prints, per strategy, the median decode tokens/s of each
 version, the median of the per-prompt ratios B / A, and whether both versions emitted the same
@@ -39,11 +41,18 @@ from specfork.loading.registry import DEFAULT_MODEL
 strategies = json.loads(sys.argv[1])
 n = int(sys.argv[2])
 loaded = load_model(DEFAULT_MODEL, progress=False)
-gens = {name: Generator(loaded, spec=SpecConfig(**kw)) for name, kw in strategies.items()}
+curve = loaded.model.cost_curve()  # the goodput gate's cost curve: measured, or B gets A's
+if sys.argv[3] != "measure":
+    rows, cost = json.loads(sys.argv[3])
+    curve = type(curve)(tuple(rows), tuple(cost))
+gens = {
+    name: Generator(loaded, spec=SpecConfig(**kw), cost_curve=curve)
+    for name, kw in strategies.items()
+}
 config = GenerationConfig(max_new_tokens=n, ignore_eos=True)
 for gen in gens.values():
     gen.generate("Hello, how are you?", config=config)
-print(json.dumps({"ready": loaded.model.describe()}), flush=True)
+print(json.dumps({"ready": loaded.model.describe(), "curve": [curve.rows, curve.cost]}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
     result = gens[job["strategy"]].generate(job["prompt"], config=config)
@@ -55,13 +64,15 @@ for line in sys.stdin:
 class Worker:
     """One version's worker process."""
 
-    def __init__(self, root: Path, n: int) -> None:
+    def __init__(self, root: Path, n: int, curve: list | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(root / "src")}
-        args = [sys.executable, "-c", WORKER, json.dumps(STRATEGIES), str(n)]
+        given = "measure" if curve is None else json.dumps(curve)
+        args = [sys.executable, "-c", WORKER, json.dumps(STRATEGIES), str(n), given]
         self.proc = subprocess.Popen(
             args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
-        self.describe = self._read()["ready"]
+        ready = self._read()
+        self.describe, self.curve = ready["ready"], ready["curve"]
 
     def _read(self) -> dict:
         assert self.proc.stdout is not None
@@ -95,8 +106,10 @@ def main() -> None:
 
     picked = select_prompts(load_prompts(args.prompts), per_category=args.per_category)
     prompts = [p.text for p in picked]
-    workers = {"A": Worker(args.a, args.max_new_tokens), "B": Worker(args.b, args.max_new_tokens)}
-    print(f"A: {workers['A'].describe}; B: {workers['B'].describe}; {len(prompts)} prompts")
+    a = Worker(args.a, args.max_new_tokens)  # measures the goodput gate's cost curve...
+    workers = {"A": a, "B": Worker(args.b, args.max_new_tokens, a.curve)}  # ...B uses A's
+    print(f"A: {a.describe}; B: {workers['B'].describe}; {len(prompts)} prompts")
+    print(f"cost curve (both): rows {a.curve[0]}, cost {[round(c, 2) for c in a.curve[1]]}")
     rows: dict[str, dict[str, list]] = {s: {"A": [], "B": [], "same": []} for s in STRATEGIES}
     for i, prompt in enumerate(prompts):
         for strategy in STRATEGIES:

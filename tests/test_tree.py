@@ -309,3 +309,10 @@ def test_trie_merging_keeps_every_fork_and_no_duplicate_siblings(forks):
     assert len(tree) == len(prefixes)  # one node per distinct prefix
     plain = from_forks([f[0] for f in forks], [f[1:] for f in forks])
     assert len(plain) == sum(len(f) for f in forks)
+
+
+def test_a_tree_knows_whether_it_is_a_chain() -> None:
+    assert chain([4, 5, 6]).is_chain and chain([]).is_chain
+    assert not Tree([1, 2], [-1, -1]).is_chain  # two forks
+    assert not Tree([1, 2, 3], [-1, 0, 0]).is_chain  # a branch below the first node
+    assert Tree([1, 2], [-1, 0]) == chain([1, 2])  # the flag is derived, not compared

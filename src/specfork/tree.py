@@ -19,7 +19,7 @@ tree description into what a forward pass needs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,7 @@ class Tree:
 
     tokens: torch.Tensor  # [N] int64
     parents: torch.Tensor  # [N] int64, -1 = the root
+    is_chain: bool = field(default=False, init=False, compare=False)  # no branching at all
 
     def __post_init__(self) -> None:
         tokens = torch.as_tensor(self.tokens)
@@ -60,6 +61,7 @@ class Tree:
             )
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "parents", parents)
+        object.__setattr__(self, "is_chain", all(p == i - 1 for i, p in enumerate(links)))
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

@@ -88,8 +88,7 @@ class Draft:
     @property
     def is_chain(self) -> bool:
         """Whether every node is the child of the one before (no branching)."""
-        n = len(self.tree)
-        return bool(torch.equal(self.tree.parents.cpu(), torch.arange(n) - 1))
+        return self.tree.is_chain
 
     def head(self, k: int) -> Draft:
         """The first k tokens (their q and scores) of a chain draft."""
