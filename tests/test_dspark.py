@@ -127,10 +127,11 @@ def test_first_token_rejection_drops_k_to_min_at_once() -> None:
     assert pol.trace()["first_rejection_rate"] == 0.5
 
 
-def test_reset_starts_a_request_fresh() -> None:
-    pol = _policy()
-    pol.update(_info(2, 2, _logits(0.95, 0.01, rows=3)))
-    pol.reset()
+def test_begin_starts_a_request_fresh() -> None:
+    old = _policy()
+    old.update(_info(2, 2, _logits(0.95, 0.01, rows=3)))
+    pol = old.begin()
+    assert old.ema is not None  # the other request keeps its state
     assert (pol.next_shape(0).depth, pol.ema, pol.first_rejection_rate, pol.trace()) == (
         2,
         None,

@@ -446,3 +446,35 @@ def test_the_strategy_cache_keeps_the_most_recent_and_the_default(smollm_f32) ->
     for bad in (0, 1.5, True):
         with pytest.raises(ConfigError, match="max_strategies"):
             Generator(smollm_f32, max_strategies=bad)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SpecConfig(),
+        SpecConfig("speculative", "ngram", k=3),
+        SpecConfig("dspark", "ngram"),
+        SpecConfig("speculative", "self", k=2, skip_layers="10-19"),
+        SpecConfig("spork", "recycle+ngram"),
+    ],
+    ids=["ar", "ngram", "dspark", "self", "spork"],
+)
+def test_requests_in_flight_together_keep_their_own_state(smollm_f32, spec: SpecConfig) -> None:
+    """Two streams of one strategy advanced in turn (each with its own KV cache, drafter state
+    and policy state) produce what each produces alone, with the same per-round trace."""
+    own = Generator(smollm_f32, spec=spec)
+    config = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    prompts = ["Write a haiku about the sea.", "List three prime numbers and explain why."]
+    alone = [own.generate(p, config=config) for p in prompts]
+    streams = [own.stream(p, config=config) for p in prompts]
+    iterators = [iter(s) for s in streams]
+    live = [0, 1]
+    while live:  # one step of each live stream in turn
+        for i in list(live):
+            if next(iterators[i], None) is None:
+                live.remove(i)
+    for stream, single in zip(streams, alone, strict=True):
+        assert stream.result is not None
+        assert stream.result.token_ids == single.token_ids
+        rounds = [(r.k, r.drafted, r.accepted) for r in stream.result.stats.rounds]
+        assert rounds == [(r.k, r.drafted, r.accepted) for r in single.stats.rounds]

@@ -27,7 +27,7 @@ def test_constant_k_never_changes():
     for generated, info in enumerate([round_info(4, 4), round_info(4, 0), round_info(0, 0)]):
         assert policy.next_shape(generated * 10).depth == 4
         policy.update(info)
-    policy.reset()
+    assert policy.begin() is policy  # no state: every request shares it
     assert policy.next_shape(1000).depth == 4
 
 
@@ -80,12 +80,13 @@ def test_heuristic_empty_draft_rounds_do_not_change_k():
     assert policy.next_shape(3).depth == 2
 
 
-def test_heuristic_reset_restores_the_start():
+def test_heuristic_begin_gives_a_request_the_start():
     policy = HeuristicK(3, k_max=8)
     policy.update(round_info(3, 3))
     assert policy.next_shape(0).depth == 5
-    policy.reset()
-    assert policy.next_shape(0).depth == 3
+    fresh = policy.begin()
+    assert fresh.next_shape(0).depth == 3 and fresh.k_max == 8
+    assert policy.next_shape(0).depth == 5  # another request's state is untouched
 
 
 def test_heuristic_start_above_k_max_is_clamped_or_rejected():
@@ -139,8 +140,7 @@ def test_linear_decay_matches_formula_and_is_monotone():
     assert ks == sorted(ks, reverse=True)  # non-increasing
     assert ks[0] == k_max and ks[-1] == 1
     policy.update(round_info(7, 7, generated=7))  # history does not matter
-    policy.reset()
-    assert policy.next_shape(10).depth == ks[10]
+    assert policy.begin().next_shape(10).depth == ks[10]
 
 
 @pytest.mark.parametrize(("k_max", "expected"), [(0, 10), (3, 0), (-2, 10), (3, -1), (2.0, 10)])

@@ -82,11 +82,9 @@ def test_a_root_never_seen_still_gets_forks_from_the_prior() -> None:
     prior = torch.full((V, 8), UNKNOWN, dtype=torch.int32)
     prior[11] = torch.tensor([12, 13, 14, 15, 16, 17, 18, 19])
     prior[12] = torch.tensor([20, 21, 22, 23, 24, 25, 26, 27])
-    drafter = ForkDrafter(V, recycle=True, chains={}, prior=prior)
-    drafter.begin([1, 2])
+    drafter = ForkDrafter(V, recycle=True, chains={}, prior=prior).begin([1, 2])
     shape = DraftShape(2, "forks", forks=2, budget=24)
     tree = drafter.propose([1, 2, 11], shape, SamplingParams(), torch.Generator()).tree
     assert tree.tokens.tolist() == [12, 20, 13] and tree.parents.tolist() == [-1, 0, -1]
-    empty = ForkDrafter(V, recycle=True, chains={})
-    empty.begin([1, 2])
+    empty = ForkDrafter(V, recycle=True, chains={}).begin([1, 2])
     assert len(empty.propose([1, 2, 11], shape, SamplingParams(), torch.Generator())) == 0

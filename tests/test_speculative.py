@@ -608,23 +608,24 @@ class RecordingDrafter:
         self.name = inner.name
         self.cost = inner.cost
         self.wants_logits = inner.wants_logits
+        self.session: ModelDrafter = inner
         self.prompt: list[int] = []
         self.calls: list[tuple[list[int], int, list[int]]] = []
 
     def begin(self, prompt_ids: list[int]) -> None:
         self.prompt = list(prompt_ids)
         self.calls.clear()
-        self.inner.begin(prompt_ids)
+        self.session = self.inner.begin(prompt_ids)
 
     def propose(
         self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator
     ) -> Draft:
-        draft = self.inner.propose(history, shape, sampling, rng)
+        draft = self.session.propose(history, shape, sampling, rng)
         self.calls.append((list(history), shape.depth, draft.tokens.tolist()))
         return draft
 
     def observe(self, feedback: Feedback) -> None:
-        self.inner.observe(feedback)
+        self.session.observe(feedback)
 
 
 def test_draft_cache_follows_rollbacks(
@@ -652,8 +653,8 @@ def test_draft_cache_follows_rollbacks(
     fresh = ModelDrafter(smollm_f32.model, layers=inner.layers, name="fresh")
     rng = torch.Generator().manual_seed(0)
     for history, budget, proposed in after_rejection[:4]:
-        fresh.begin(recorder.prompt)
-        again = fresh.propose(history, DraftShape(budget), SamplingParams(), rng).tokens.tolist()
+        session = fresh.begin(recorder.prompt)
+        again = session.propose(history, DraftShape(budget), SamplingParams(), rng).tokens.tolist()
         assert again == proposed, (len(history) - len(recorder.prompt), budget)
 
 

@@ -82,8 +82,7 @@ def _propose(drafter: ForkDrafter, history: list[int], **shape) -> tuple[Draft, 
 
 def _table_drafter(chain: list[int] | None = None) -> ForkDrafter:
     chains = {"fixed": FixedChain(chain)} if chain is not None else {}
-    drafter = ForkDrafter(V, recycle=True, chains=chains)
-    drafter.begin([1, 2, 3])
+    drafter = ForkDrafter(V, recycle=True, chains=chains).begin([1, 2, 3])
     # successors: 1 -> [2, 3, 4], 2 -> [5, ...], 3 -> [6, ...], 4 -> [7, ...], 5 -> [8, ...]
     logits = torch.full((5, V), -10.0)
     for row, succ in enumerate([[2, 3, 4], [5], [6], [7], [8]]):
@@ -225,8 +224,9 @@ def test_empty_trees_do_not_adapt_and_reset_restores() -> None:
     assert (pol.forks, pol.depth, pol.tau) == (4, 4, 0.0)
     pol.update(_round(16, 0, None))
     pol.update(_round(16, 0, None))
-    pol.reset()
-    assert (pol.forks, pol.depth, pol.tau, pol.trace()) == (4, 4, 0.0, {})
+    fresh = pol.begin()
+    assert (fresh.forks, fresh.depth, fresh.tau, fresh.trace()) == (4, 4, 0.0, {})
+    assert (pol.forks, pol.depth) == (3, 3)  # the narrowed request keeps its own shape
 
 
 def test_trace_fields() -> None:
@@ -331,12 +331,14 @@ def test_sampling_params_unused_by_chains_are_greedy() -> None:
 
 @pytest.mark.parametrize("persist", [False, True])
 def test_recycle_table_persists_across_requests_only_when_asked(persist: bool) -> None:
-    drafter = ForkDrafter(V, recycle=True, chains={}, persist=persist)
-    drafter.begin([1])
-    drafter.observe(Feedback(1, torch.tensor([1]), [], torch.arange(V, dtype=torch.float32)[None]))
-    assert drafter.table is not None and drafter.table.candidates(1, 1) == [V - 1]
-    drafter.begin([2])  # the next request
-    assert drafter.table.candidates(1, 1) == ([V - 1] if persist else [])
+    shared = ForkDrafter(V, recycle=True, chains={}, persist=persist)
+    first = shared.begin([1])
+    first.observe(Feedback(1, torch.tensor([1]), [], torch.arange(V, dtype=torch.float32)[None]))
+    assert first.table is not None and first.table.candidates(1, 1) == [V - 1]
+    second = shared.begin([2])  # the next request
+    assert second.table is not None
+    assert second.table.candidates(1, 1) == ([V - 1] if persist else [])
+    assert first.table.candidates(1, 1) == [V - 1]  # the first request keeps what it learnt
 
 
 @pytest.mark.slow
@@ -347,9 +349,8 @@ def test_model_forks_are_batched_greedy_continuations(smollm_f32) -> None:
 
     model = smollm_f32.model
     layers = list(range(0, 20))
-    drafter = ModelDrafter(model, layers=layers, name="self")
     history = smollm_f32.tokenizer.encode("The three primary colours are red, blue and")
-    drafter.begin(history)
+    drafter = ModelDrafter(model, layers=layers, name="self").begin(history)
     paths, probs, forwards = drafter.propose_forks(history, forks=3, depth=4)
     assert forwards == 4 and len(paths) == 3 and all(len(p) == 4 for p in paths)
     assert len({p[0] for p in paths}) == 3  # distinct first tokens, best first
@@ -374,9 +375,8 @@ def test_model_dynamic_tree_expands_the_most_probable_frontier(smollm_f32) -> No
 
     model = smollm_f32.model
     layers = list(range(0, 20))
-    drafter = ModelDrafter(model, layers=layers, name="self")
     history = smollm_f32.tokenizer.encode("Once upon a time, in a small village,")
-    drafter.begin(history)
+    drafter = ModelDrafter(model, layers=layers, name="self").begin(history)
     branch, depth = 3, 3
     tree, scores, forwards = drafter.propose_dynamic(history, branch, depth)
     assert forwards == depth and len(tree) == branch + (depth - 1) * branch * branch

@@ -134,6 +134,9 @@ class Feedback:
 class Drafter(Protocol):
     """Anything that proposes scored trees continuing the committed history.
 
+    `begin` gives each request its own drafter, so that several requests can be in flight
+    (`start`); the engine then calls `propose` and `observe` on that one.
+
     `cost`: target forwards one drafting step costs (0 for sources that run no model: their
     drafts are trimmed after drafting; a costly drafter is asked for fewer tokens instead).
     `wants_logits`: the engine runs the prompt row by row and passes the target's logits in
@@ -144,8 +147,9 @@ class Drafter(Protocol):
     cost: float
     wants_logits: bool
 
-    def begin(self, prompt_ids: list[int]) -> None:
-        """Start a new request (reset a draft model's cache, clear per-request tables, ...)."""
+    def begin(self, prompt_ids: list[int]) -> Drafter | None:
+        """The drafter of a new request: one with state of its own (a draft model's KV cache,
+        a recycle table) sharing this one's weights, or None to use this one (no state)."""
 
     def propose(
         self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator
@@ -154,6 +158,12 @@ class Drafter(Protocol):
 
     def observe(self, feedback: Feedback) -> None:
         """Learn what the target's forward decided; forget anything past `committed`."""
+
+
+def start(drafter: Drafter, prompt_ids: list[int]) -> Drafter:
+    """The drafter of a request that begins with `prompt_ids` (`Drafter.begin`)."""
+    session = drafter.begin(prompt_ids)
+    return drafter if session is None else session
 
 
 def check_drafter(drafter: object) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from specfork.config import SamplingParams
-from specfork.drafters.base import Draft, Drafter, DraftShape, Feedback
+from specfork.drafters.base import Draft, Drafter, DraftShape, Feedback, start
 from specfork.drafters.recycle import RecycleTable
 from specfork.tree import Tree, TreeBuilder, node_scores, prune
 
@@ -44,10 +44,14 @@ class ForkDrafter:
         width: int = RECYCLE_WIDTH,
         persist: bool = False,
         prior: torch.Tensor | None = None,
+        table: RecycleTable | None = None,
     ) -> None:
         """`chains`: the other sources (any drafters), by name. `prior` [V, width]: the recycle
-        table every request starts from (`recycle_prior`)."""
-        self.table = RecycleTable(vocab_size, width, prior=prior) if recycle else None
+        table every request starts from (`recycle_prior`); `table`: one to share (persist)."""
+        if recycle and table is None:
+            table = RecycleTable(vocab_size, width, prior=prior)
+        self.table = table if recycle else None
+        self.vocab_size, self.width, self.prior = vocab_size, width, prior
         self.persist = persist
         self.chains = chains
         self.name = "+".join([*(["recycle"] if recycle else []), *chains])
@@ -55,11 +59,18 @@ class ForkDrafter:
         # target forwards one level of drafting costs (SporkPolicy's model depth)
         self.cost = sum(c.cost for c in chains.values())
 
-    def begin(self, prompt_ids: list[int]) -> None:
-        if self.table is not None and not self.persist:
-            self.table.reset()
-        for source in self.chains.values():
-            source.begin(prompt_ids)
+    def begin(self, prompt_ids: list[int]) -> ForkDrafter:
+        """A drafter for one request: its own recycle table (the shared one with `persist`) and
+        its sources' own request drafters."""
+        return ForkDrafter(
+            self.vocab_size,
+            recycle=self.table is not None,
+            chains={name: start(source, prompt_ids) for name, source in self.chains.items()},
+            width=self.width,
+            persist=self.persist,
+            prior=self.prior,
+            table=self.table if self.persist else None,
+        )
 
     def observe(self, feedback: Feedback) -> None:
         """The recycle table learns the target's logits; every source hears the feedback."""

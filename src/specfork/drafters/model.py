@@ -43,21 +43,26 @@ class ModelDrafter:
         self.layers = layers
         self.name = name
         self.wants_logits = False
-        self.cache: KVCache = model.new_cache(max_len)
+        self.max_len = max_len
+        self.cache: KVCache | None = None  # this drafter's own KV cache, made on first use
         self.cost = step_weights(model, layers) / step_weights(model) if cost is None else cost
 
-    def begin(self, prompt_ids: list[int]) -> None:
-        self.cache.reset()
-        self._ensure_room(len(prompt_ids) + 256)
+    def begin(self, prompt_ids: list[int]) -> ModelDrafter:
+        """A drafter for one request: the same model and layers, a KV cache of its own."""
+        session = ModelDrafter(
+            self.model, layers=self.layers, name=self.name, max_len=self.max_len, cost=self.cost
+        )
+        session._ensure_room(len(prompt_ids) + 256)
+        return session
 
     def _ensure_room(self, length: int) -> None:
-        """Grow the cache (doubling, up to the model's context) when `length` would not fit.
-
-        A grown cache starts empty; the next `propose` catches up on the whole history once.
-        """
+        """Make or grow the cache (doubling, up to the model's context) when `length` would
+        not fit. A grown cache starts empty; the next `propose` catches up on the history."""
         limit = self.model.config.max_position
-        if self.cache.max_len < min(length, limit):
-            self.cache = self.model.new_cache(min(max(length, 2 * self.cache.max_len), limit))
+        size = 0 if self.cache is None else self.cache.max_len
+        if size < min(length, limit):
+            grown = max(length, 2 * size, self.max_len)
+            self.cache = self.model.new_cache(min(grown, limit))
 
     def propose(
         self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator
@@ -87,6 +92,7 @@ class ModelDrafter:
     ) -> Draft:
         """Catch up on the history not yet in the cache, then draft `budget` tokens."""
         self._ensure_room(len(history) + budget)
+        assert self.cache is not None
         budget = min(budget, self.cache.max_len - len(history))
         if budget < 1:
             return EMPTY_DRAFT
@@ -163,6 +169,7 @@ class ModelDrafter:
     def _catch_up(self, history: list[int], new_rows: int) -> tuple[torch.Tensor, int]:
         """Run the history not yet cached; the logits [V] after its last token, prefix length."""
         self._ensure_room(len(history) + new_rows + 1)
+        assert self.cache is not None
         if self.cache.length >= len(history):  # need the last token's logits again
             self.cache.truncate(len(history) - 1)
         logits = self.model.extend(history[self.cache.length :], self.cache, layers=self.layers)
@@ -181,7 +188,8 @@ class ModelDrafter:
         return self.model.logits(hidden[0, last.to(dev)])  # [K, V]
 
     def observe(self, feedback: Feedback) -> None:
-        self.cache.truncate(min(self.cache.length, feedback.committed))
+        if self.cache is not None:
+            self.cache.truncate(min(self.cache.length, feedback.committed))
 
 
 def step_weights(model: DecoderLM, layers: Sequence[int] | None = None) -> int:

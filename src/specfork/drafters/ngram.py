@@ -32,8 +32,8 @@ class NgramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def begin(self, prompt_ids: list[int]) -> None:
-        return None
+    def begin(self, prompt_ids: list[int]) -> NgramDrafter:
+        return self  # no state: every request shares it
 
     def propose(
         self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator

@@ -18,7 +18,7 @@ import torch
 
 from specfork.cache import KVCache
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.drafters.base import Drafter, Feedback, check_drafter
+from specfork.drafters.base import Drafter, Feedback, check_drafter, start
 from specfork.engine.output import OutputBuilder
 from specfork.engine.request import Request
 from specfork.engine.round import run_round
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[dict[str, str]]
 MAX_KEPT_STRATEGIES = 8  # default: built strategies (drafters with their caches) kept for reuse
+FREE_CACHES = 2  # KV caches of finished requests kept for the next ones
 
 
 @dataclass
@@ -112,7 +113,7 @@ class Generator:
         self._strategies: OrderedDict[SpecConfig, tuple[Drafter | None, DraftPolicy | None]] = (
             OrderedDict({self.spec: (self.drafter, self.policy)})
         )
-        self._cache: KVCache | None = None
+        self._free_caches: list[KVCache] = []  # caches of finished requests, for reuse
         self._warned_thread = False
         self._cost_curve = cost_curve  # None: the model's own, measured once (goodput.py)
 
@@ -166,7 +167,9 @@ class Generator:
         """Generate, yielding text deltas that never split a character or a stop string.
 
         A list of ints is taken as already-tokenized prompt ids. `spec` runs this request
-        with another strategy (built once and kept for later requests that ask for it).
+        with another strategy (built once and kept for later requests that ask for it). The
+        request gets its own state (KV cache, drafter and policy state) here, so several
+        streams may be in flight and advanced in any order.
         """
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
             ids = list(prompt)
@@ -178,7 +181,7 @@ class Generator:
         self._check_exact(config)
         self._check_thread()
         self.use_strategy(spec or self.default_spec)
-        return TextStream(self._events(ids, config, sampling))
+        return TextStream(self._events(self._new_request(ids, config, sampling)))
 
     def warm_up(self, new_tokens: int = 4) -> None:
         """Run a short generation so that the first request does not pay for first-use costs."""
@@ -198,11 +201,14 @@ class Generator:
         self.drafter, self.policy = self._strategies[spec]
 
     # -- the loop -----------------------------------------------------------------------------
-    def _events(
-        self, ids: list[int], config: GenerationConfig, sampling: SamplingParams
-    ) -> Iterator[str | GenerationResult]:
-        req = self._new_request(ids, config, sampling)
-        stats, out = req.stats, req.out
+    def _events(self, req: Request) -> Iterator[str | GenerationResult]:
+        try:
+            yield from self._decode(req)
+        finally:
+            self._release_cache(req.cache)
+
+    def _decode(self, req: Request) -> Iterator[str | GenerationResult]:
+        stats, out, sampling = req.stats, req.out, req.sampling
         t0 = time.perf_counter()
         with torch.inference_mode():
             logits = self._prefill(req)  # [V]
@@ -223,25 +229,29 @@ class Generator:
                 tokens = run_round(self.model, req)
         stats.decode_seconds = time.perf_counter() - t1
         yield out.new_text()
+        ids = req.prompt_ids
         yield GenerationResult(out.text, out.token_ids, out.finish_reason or "length", ids, stats)
 
     def _new_request(
         self, ids: list[int], config: GenerationConfig, sampling: SamplingParams
     ) -> Request:
-        """A request on the current strategy, its drafter and policy reset for it."""
+        """A request on the current strategy: its own cache, drafter and policy state, gate."""
         out = OutputBuilder(
             self.tokenizer, config, max_tokens=self.context - len(ids), prompt_ids=ids
         )
-        req = Request(
-            ids, sampling, make_generator(sampling.seed, self.model.device),
-            self._cache_for(len(ids) + out.max_tokens), out,
-            GenerationStats(prompt_tokens=len(ids), lossy=self.spec.lossy_typical),
-            self.spec, self.drafter, self.policy, self._new_gate(),
-        )  # fmt: skip
-        if req.drafter is not None and req.policy is not None:
-            req.drafter.begin(ids)
-            req.policy.reset()
-        return req
+        drafting = self.drafter is not None and self.policy is not None
+        return Request(
+            prompt_ids=ids,
+            sampling=sampling,
+            rng=make_generator(sampling.seed, self.model.device),
+            cache=self._take_cache(len(ids) + out.max_tokens),
+            out=out,
+            stats=GenerationStats(prompt_tokens=len(ids), lossy=self.spec.lossy_typical),
+            spec=self.spec,
+            drafter=start(self.drafter, ids) if drafting else None,
+            policy=self.policy.begin() if drafting else None,
+            gate=self._new_gate(),
+        )
 
     def _prefill(self, req: Request) -> torch.Tensor:
         """Run the prompt; a drafter that learns from the target's logits sees every row."""
@@ -262,12 +272,21 @@ class Generator:
         cost = self._cost_curve or self.model.cost_curve()  # measured once per model
         return TreeGate(cost) if self.spec.strategy == "spork" else GoodputGate(cost)
 
-    def _cache_for(self, length: int) -> KVCache:
-        """A cache of at least `length` slots, reused across requests when big enough."""
-        if self._cache is None or self._cache.max_len < length:
-            self._cache = self.model.new_cache(max(length, 256))
-        self._cache.reset()
-        return self._cache
+    def _take_cache(self, length: int) -> KVCache:
+        """A cache of at least `length` slots: a free one when one is big enough, else new."""
+        fits = [c for c in self._free_caches if c.max_len >= length]
+        if not fits:
+            return self.model.new_cache(max(length, 256))
+        cache = min(fits, key=lambda c: c.max_len)
+        self._free_caches.remove(cache)
+        cache.reset()
+        return cache
+
+    def _release_cache(self, cache: KVCache) -> None:
+        """A finished request's cache, kept for the next ones (the largest few)."""
+        self._free_caches.append(cache)
+        self._free_caches.sort(key=lambda c: -c.max_len)
+        del self._free_caches[FREE_CACHES:]
 
     def _check_exact(self, config: GenerationConfig) -> None:
         if config.exact and not getattr(self.model, "batch_invariant", False):

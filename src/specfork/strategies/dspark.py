@@ -62,7 +62,11 @@ class DSparkPolicy:
         self.spec = spec  # validated on construction: min_k ≥ 1, max_k ≥ min_k, low < high, ...
         self.reset()
 
+    def begin(self) -> DSparkPolicy:
+        return DSparkPolicy(self.spec)
+
     def reset(self) -> None:
+        """Back to the state of a new request."""
         self.k = self.spec.min_k
         self.ema: float | None = None
         self.drafted_rounds = 0

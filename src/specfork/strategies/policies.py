@@ -33,8 +33,8 @@ class DraftPolicy(Protocol):
 
     name: str
 
-    def reset(self) -> None:
-        """Start a new request."""
+    def begin(self) -> DraftPolicy:
+        """The policy of a new request: a fresh one, or itself when it keeps no state."""
 
     def next_shape(self, generated: int) -> DraftShape:
         """The next round's draft shape (`generated` output tokens so far)."""
@@ -60,8 +60,8 @@ class ConstantK:
         _check_k(k)
         self.k = k
 
-    def reset(self) -> None:
-        return None
+    def begin(self) -> ConstantK:
+        return self
 
     def next_shape(self, generated: int) -> DraftShape:
         return DraftShape(self.k)
@@ -87,8 +87,8 @@ class HeuristicK:
         self.k_start = k
         self.k = k
 
-    def reset(self) -> None:
-        self.k = self.k_start
+    def begin(self) -> HeuristicK:
+        return HeuristicK(self.k_start, self.k_max)
 
     def next_shape(self, generated: int) -> DraftShape:
         return DraftShape(self.k)
@@ -114,8 +114,8 @@ class LinearDecayK:
         self.k_max = k_max
         self.expected = expected_length
 
-    def reset(self) -> None:
-        return None
+    def begin(self) -> LinearDecayK:
+        return self
 
     def next_shape(self, generated: int) -> DraftShape:
         return DraftShape(max(1, round(self.k_max * (1 - generated / self.expected))))

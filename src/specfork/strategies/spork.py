@@ -60,7 +60,11 @@ class SporkPolicy:
         self.max_depth = 2 * spec.depth
         self.reset()
 
+    def begin(self) -> SporkPolicy:
+        return SporkPolicy(self.spec, self.draft_cost)
+
     def reset(self) -> None:
+        """Back to the configured shape (what `begin` gives a new request)."""
         self.forks = self.spec.forks
         self.depth = self.spec.depth
         self.model_depth = self.spec.depth
