@@ -76,9 +76,20 @@ class Tree:
 
 
 def chain(tokens: Sequence[int] | torch.Tensor) -> Tree:
-    """A tree with no branching: token i is the child of token i - 1 (a plain draft)."""
+    """A tree with no branching: token i is the child of token i - 1 (a plain draft).
+
+    Valid by construction, so only the tokens are checked (a draft's hot path).
+    """
     tokens = torch.as_tensor(tokens, dtype=torch.long)  # [K]
-    return Tree(tokens, torch.arange(tokens.shape[0], device=tokens.device) - 1)
+    if tokens.dim() != 1:
+        raise ValueError(f"tree tokens must be 1-D, got shape {tuple(tokens.shape)}")
+    if tokens.numel() and int(tokens.min()) < 0:
+        raise ValueError(f"tree tokens must be non-negative ids, got {tokens.tolist()}")
+    tree = object.__new__(Tree)
+    object.__setattr__(tree, "tokens", tokens)
+    object.__setattr__(tree, "parents", torch.arange(tokens.shape[0], device=tokens.device) - 1)
+    object.__setattr__(tree, "is_chain", True)
+    return tree
 
 
 class TreeBuilder:

@@ -140,13 +140,13 @@ def learn(
     logits: torch.Tensor,
 ) -> None:
     """The gate, the policy and the statistics learn from the round."""
-    depth = int(depths(draft.tree).max()) if len(draft) else 0
+    depth = len(draft) if draft.is_chain else int(depths(draft.tree).max())
     req.stats.record_round(len(draft), verdict.accepted, depth)
     extra: dict = {}
     if req.drafter is not None and req.policy is not None:
         observe_gate(req, proposed, draft, verdict)
         req.stats.draft_forwards += draft.forwards
-        fork = children(draft.tree)[0].index(verdict.path[0]) if verdict.path else None
+        fork = _fork(draft, verdict)
         emitted = req.generated + len(verdict.tokens)
         req.policy.update(RoundInfo(len(draft), verdict.accepted, emitted, logits, fork, depth))
         extra = {**req.policy.trace(), "proposed": len(proposed)}  # before the gate
@@ -157,6 +157,13 @@ def learn(
         RoundRecord(len(req.stats.rounds), req.generated, shape.depth, len(draft),
                     verdict.accepted, len(verdict.tokens), first_rejected, extra)
     )  # fmt: skip
+
+
+def _fork(draft: Draft, verdict: Verdict) -> int | None:
+    """The sibling rank of the accepted path's first node (None: nothing accepted)."""
+    if not verdict.path:
+        return None
+    return 0 if draft.is_chain else children(draft.tree)[0].index(verdict.path[0])
 
 
 def observe_gate(req: Request, proposed: Draft, draft: Draft, verdict: Verdict) -> None:
