@@ -478,3 +478,20 @@ def test_requests_in_flight_together_keep_their_own_state(smollm_f32, spec: Spec
         assert stream.result.token_ids == single.token_ids
         rounds = [(r.k, r.drafted, r.accepted) for r in stream.result.stats.rounds]
         assert rounds == [(r.k, r.drafted, r.accepted) for r in single.stats.rounds]
+
+
+class OldStylePolicy:
+    """A policy written against the old protocol (reset, next_k)."""
+
+    name = "old"
+
+    def reset(self) -> None:
+        return None
+
+    def next_k(self, generated: int) -> int:
+        return 3
+
+
+def test_a_policy_missing_protocol_members_is_named(smollm_f32: LoadedModel) -> None:
+    with pytest.raises(ConfigError, match="lacks begin, next_shape, update, trace"):
+        Generator(smollm_f32, spec=SpecConfig("speculative"), policy=OldStylePolicy())

@@ -29,7 +29,7 @@ from specfork.models.cost import CostCurve
 from specfork.sampling import make_generator, next_token
 from specfork.strategies import build_strategy
 from specfork.strategies.goodput import GoodputGate, TreeGate
-from specfork.strategies.policies import DraftPolicy
+from specfork.strategies.policies import DraftPolicy, check_policy
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,11 @@ class TextStream:
 
 
 class Generator:
-    """Runs requests on one loaded model (one at a time: the model and cache are shared).
+    """Runs requests on one loaded model.
 
-    The strategy comes from `spec`; a custom `drafter` (any object following the Drafter
+    Each request owns its state (`Request`: KV cache, drafter and policy state, gate, rng), so
+    several streams may be in flight, advanced in any order from one thread at a time. The
+    strategy comes from `spec`; a custom `drafter` (any object following the Drafter
     protocol) and/or `policy` replace the ones `spec` would build. `cost_curve` is what the
     goodput gate assumes a forward of R rows costs (default: `model.cost_curve()`, measured
     once per model at the first request that needs it); a fixed curve makes draft lengths
@@ -101,6 +103,8 @@ class Generator:
         self._check_k(self.spec)
         if drafter is not None:
             check_drafter(drafter)
+        if policy is not None:
+            check_policy(policy)
         if drafter is not None and self.spec.strategy == "ar":
             self.spec = SpecConfig("speculative", k=self.spec.k)
         built_drafter, built_policy = (None, None)

@@ -46,6 +46,18 @@ class DraftPolicy(Protocol):
         """Extra fields for this round's trace record (what the last update computed)."""
 
 
+def check_policy(policy: object) -> None:
+    """Raise ConfigError naming what a custom policy lacks of the `DraftPolicy` protocol."""
+    members = ("name", "begin", "next_shape", "update", "trace")
+    missing = [m for m in members if not hasattr(policy, m)]
+    if missing:
+        raise ConfigError(
+            f"the policy {type(policy).__name__} lacks {', '.join(missing)} of the DraftPolicy "
+            "protocol (specfork.strategies.policies.DraftPolicy): give it name, begin() (a "
+            "fresh policy for a new request, or itself), next_shape(), update() and trace()"
+        )
+
+
 def _check_k(k: int, name: str = "k") -> None:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {k}")
