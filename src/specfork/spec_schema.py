@@ -143,6 +143,7 @@ class Wording:
     noun: str = "option"
     spell: Any = None  # option -> how the user writes it (default: its field name)
     strategy: Any = None  # strategy name -> how the user writes it (default: "strategy NAME")
+    this: str = "this one"  # what is being configured ("this run", "this request")
 
     def option(self, opt: SpecOption) -> str:
         return self.spell(opt) if self.spell else opt.name
@@ -170,7 +171,7 @@ def check_used(strategy: str, names: list[str], wording: Wording = PLAIN_WORDING
             )
         raise ConfigError(
             f"{wording.option(opt)} is {_article(wording.noun)} {wording.noun} of "
-            f"{wording.name(opt.owner)}; this one uses {wording.name(strategy)}"
+            f"{wording.name(opt.owner)}; {wording.this} uses {wording.name(strategy)}"
             + _instead(strategy, opt)
         )
 

@@ -165,7 +165,7 @@ def _spell(opt: SpecOption) -> str:
     return opt.flag
 
 
-FLAGS = Wording("flag", _spell, lambda name: f"--strategy {name}")
+FLAGS = Wording("flag", _spell, lambda name: f"--strategy {name}", "this run")
 
 
 def spec_from_args(args: argparse.Namespace, expected_length: int) -> SpecConfig:

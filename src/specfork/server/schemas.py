@@ -19,12 +19,13 @@ from typing import Any, Literal
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError
-from specfork.spec_schema import OPTIONS_BY_NAME, check_used, spec_with
+from specfork.spec_schema import OPTIONS_BY_NAME, Wording, check_used, spec_with
 
 Kind = Literal["completion", "chat"]
 Prompt = str | list[int] | list[dict[str, str]]
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+REQUEST_WORDING = Wording("key", lambda o: f"speculative.{o.name}", this="this request")
 SPEC_KEYS = ("strategy", *OPTIONS_BY_NAME)  # one schema with the CLI flags and bench specs
 MAX_STOP_STRINGS = 16
 MAX_SPEC_INT = 64  # largest k / n-gram size a request may ask for
@@ -311,7 +312,7 @@ def _speculative(obj: Any, default: SpecConfig) -> SpecConfig | None:
     _check_spec_values(obj, default)
     try:
         spec = spec_with(default, obj)
-        check_used(spec.strategy, [key for key in obj if key != "strategy"])
+        check_used(spec.strategy, [key for key in obj if key != "strategy"], REQUEST_WORDING)
     except ConfigError as exc:
         raise APIError(str(exc), param="speculative") from exc
     return SpecConfig() if spec.strategy == "ar" else spec
