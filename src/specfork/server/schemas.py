@@ -149,7 +149,30 @@ def _load_object(body: bytes) -> dict[str, Any]:
         raise APIError(f"the request body is not valid JSON ({exc})", code="invalid_json") from exc
     if not isinstance(obj, dict):
         raise APIError("the request body must be a JSON object", code="invalid_json")
+    _check_unicode(obj)
     return {k: v for k, v in obj.items() if v is not None}  # null means "not given"
+
+
+def _check_unicode(value: Any) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate such as \\ud800, which JSON
+    escapes can spell): no tokenizer or response could carry it."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise APIError(
+                    "the request holds text that is not valid Unicode (a lone surrogate escape "
+                    f"such as \\ud800 at position {exc.start} of a string); send UTF-8 text",
+                    code="invalid_json",
+                ) from None
 
 
 def _check_fields(obj: dict[str, Any], kind: Kind) -> None:
