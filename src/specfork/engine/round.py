@@ -140,11 +140,12 @@ def learn(
     logits: torch.Tensor,
 ) -> None:
     """The gate, the policy and the statistics learn from the round."""
-    depth = len(draft) if draft.is_chain else int(depths(draft.tree).max())
+    node_depths = list(range(1, len(draft) + 1)) if draft.is_chain else depths(draft.tree).tolist()
+    depth = max(node_depths, default=0)
     req.stats.record_round(len(draft), verdict.accepted, depth)
     extra: dict = {}
     if req.drafter is not None and req.policy is not None:
-        observe_gate(req, proposed, draft, verdict)
+        observe_gate(req, proposed, draft, verdict, node_depths)
         req.stats.draft_forwards += draft.forwards
         fork = _fork(draft, verdict)
         emitted = req.generated + len(verdict.tokens)
@@ -166,9 +167,12 @@ def _fork(draft: Draft, verdict: Verdict) -> int | None:
     return 0 if draft.is_chain else children(draft.tree)[0].index(verdict.path[0])
 
 
-def observe_gate(req: Request, proposed: Draft, draft: Draft, verdict: Verdict) -> None:
-    """A chain gate learns per source and position; a tree gate per node kind."""
+def observe_gate(
+    req: Request, proposed: Draft, draft: Draft, verdict: Verdict, node_depths: list[int]
+) -> None:
+    """A chain gate learns per source and position; a tree gate per node kind (the verified
+    nodes' depths given)."""
     if isinstance(req.gate, GoodputGate) and len(proposed):
         req.gate.observe(proposed.source, proposed.tokens.tolist(), verdict.tokens)
     elif isinstance(req.gate, TreeGate) and draft.scores is not None and len(draft):
-        req.gate.observe(draft.scores.tolist(), depths(draft.tree).tolist(), verdict.path)
+        req.gate.observe(draft.scores.tolist(), node_depths, verdict.path)
