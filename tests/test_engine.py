@@ -389,7 +389,7 @@ class OldStyleDrafter:
 
 
 def test_a_drafter_missing_protocol_members_is_named(smollm_f32: LoadedModel) -> None:
-    with pytest.raises(ConfigError, match="lacks cost, wants_logits, observe"):
+    with pytest.raises(ConfigError, match="lacks cost, wants_logits, hidden_layers, observe"):
         Generator(smollm_f32, drafter=OldStyleDrafter())
 
 
@@ -397,6 +397,7 @@ class RepeatLast:
     """The custom drafter of docs/strategies.md: the last token again, shape.depth times."""
 
     name, cost, wants_logits = "repeat", 0.0, False
+    hidden_layers: tuple[int, ...] = ()  # the target's blocks whose outputs feedback carries
 
     def __init__(self) -> None:
         self.committed: list[int] = []
@@ -429,6 +430,49 @@ def test_a_custom_drafter_plugs_in_and_stays_lossless(gen: Generator, smollm_f32
     want = [prompt_len + r.position + r.accepted for r in rounds]
     assert drafter.committed == want
     assert result.stats.accepted > 0  # the repeated tokens were accepted at least once
+
+
+class HiddenWatcher(RepeatLast):
+    """RepeatLast asking for two of the target's blocks, keeping every feedback."""
+
+    hidden_layers = (3, 0)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.feedback: list[Feedback] = []
+
+    def observe(self, feedback: Feedback) -> None:
+        super().observe(feedback)
+        self.feedback.append(feedback)
+
+
+def test_a_drafter_gets_the_hidden_states_it_asks_for(smollm_f32) -> None:
+    """Every feedback (prompt chunks and rounds) carries the chosen blocks' outputs at its
+    rows; along the committed history they are the blocks' outputs of one plain forward."""
+    drafter = HiddenWatcher()
+    spec_config = SpecConfig("speculative", k=3, goodput=False)
+    spec = Generator(smollm_f32, spec=spec_config, drafter=drafter, prefill_chunk=8)
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    result = spec.generate("b b b b b b b b b b b b", config=config, chat=False)
+    model, d = smollm_f32.model, smollm_f32.model.config.hidden_size
+    history = result.prompt_ids + result.token_ids
+    rows = torch.zeros(2, len(history) - 1, d)  # [C, positions run, D]
+    for fb in drafter.feedback:
+        assert fb.hidden is not None and fb.hidden.shape == (2, len(fb.tokens), d)
+        assert fb.logits is None  # not asked for
+        prompt_chunk = fb.committed <= len(result.prompt_ids)
+        # a prompt chunk's rows are all final; a round keeps its root and the accepted nodes
+        kept = list(range(len(fb.tokens))) if prompt_chunk else [0, *(1 + n for n in fb.path)]
+        first = fb.committed - len(kept)
+        rows[:, first : fb.committed] = fb.hidden[:, kept]
+    assert result.stats.accepted > 0 and len(drafter.feedback) > 2
+    with torch.inference_mode():
+        _, ref = model.extend_capturing(history[:-1], model.new_cache(64), (3, 0))
+    torch.testing.assert_close(rows, ref, atol=2e-4, rtol=1e-4)
+    with pytest.raises(ConfigError, match="hidden_layers"):
+        bad = HiddenWatcher()
+        bad.hidden_layers = (0, 99)
+        Generator(smollm_f32, drafter=bad)
 
 
 def test_the_strategy_cache_keeps_the_most_recent_and_the_default(smollm_f32) -> None:

@@ -82,6 +82,7 @@ class WrongDrafter:
     name = "wrong"
     cost = 0.0
     wants_logits = False
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, token: int) -> None:
         self.token = token

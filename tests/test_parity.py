@@ -500,3 +500,44 @@ def test_dynamic_rope_within_original_length(tmp_path: Path) -> None:
         ref = hf(input_ids=seq[None]).logits[0].float()
         logits = ours.logits(ours(seq[None], torch.arange(SEQ), ours.new_cache(SEQ)))[0]
     assert_close(logits, ref, "llama dynamic rope")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_captured_hidden_states_are_the_blocks_outputs(pairs, name: str, backend: str) -> None:
+    """`forward_capturing` returns chosen blocks' outputs (transformers' hidden_states[i + 1])
+    in the order asked, for a prefill and for a tree forward, and capturing changes nothing."""
+    pair = pairs(name, backend)
+    last = pair.ours.config.num_layers - 1
+    capture = (last, 0, 1)  # any order; the last block's output is before the final norm
+    seq = tokens_of(20, 21)
+    with torch.no_grad():
+        ref = pair.hf(input_ids=seq[None], output_hidden_states=True).hidden_states
+        cache_ = pair.ours.new_cache(64)
+        hidden, captured = pair.ours.forward_capturing(
+            seq[None], torch.arange(20), cache_, capture=capture
+        )
+    assert captured is not None and captured.shape == (3, 20, pair.ours.config.hidden_size)
+    assert captured.dtype == torch.float32
+    assert_close(captured[1], ref[1][0].float(), f"{name} block 0 output")
+    assert_close(captured[2], ref[2][0].float(), f"{name} block 1 output")
+    assert_close(hidden[0], ref[-1][0].float(), f"{name} final hidden")  # normed, as before
+    with torch.no_grad():
+        renormed = pair.ours.norm(captured[0]) if backend == "eager" else None
+    if renormed is not None:
+        torch.testing.assert_close(renormed, hidden[0], atol=1e-5, rtol=1e-5)
+    # a tree forward with capture gives the same hidden states as without
+    mask, depth = tree_mask_and_depths(TREE_PARENTS)
+    nodes = tokens_of(len(TREE_PARENTS), 22)
+    with torch.no_grad():
+        plain = pair.ours(nodes[None], 20 + depth, cache_, mask=mask)
+        cache_.truncate(20)
+        again, states = pair.ours.forward_capturing(
+            nodes[None], 20 + depth, cache_, mask=mask, capture=(0,)
+        )
+    torch.testing.assert_close(again, plain, atol=0, rtol=0)
+    assert states is not None and states.shape == (1, len(TREE_PARENTS), hidden.shape[-1])
+    with pytest.raises(ValueError, match="among those run"):
+        pair.ours.forward_capturing(
+            seq[None, :2], torch.arange(2), cache_, layers=[0], capture=(1,)
+        )

@@ -204,6 +204,7 @@ class OracleDrafter:
     name = "oracle"
     cost = 0.0
     wants_logits = False
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(
         self, continuation: list[int], start: int = 1, wrong_at: int | None = None, vocab: int = 1
@@ -608,6 +609,7 @@ class RecordingDrafter:
         self.name = inner.name
         self.cost = inner.cost
         self.wants_logits = inner.wants_logits
+        self.hidden_layers = inner.hidden_layers
         self.session: ModelDrafter = inner
         self.prompt: list[int] = []
         self.calls: list[tuple[list[int], int, list[int]]] = []

@@ -60,6 +60,7 @@ class FixedChain:
     name = "fixed"
     cost = 0.0
     wants_logits = False
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens

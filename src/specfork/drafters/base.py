@@ -3,8 +3,8 @@
 Every round the policy chooses a `DraftShape`; the drafter proposes a scored tree below the
 last emitted token (a chain is a tree with one path) as a `Draft`; the target verifies every
 node in one forward; the drafter then receives `Feedback`: how much of the history is final
-(rollback point), the accepted path and, when it asks for them, the target's logits at every
-row of that forward (and at every prompt row during prefill).
+(rollback point), the accepted path and, when it asks for them, the target's logits and chosen
+blocks' hidden states at every row of that forward (and at every prompt row during prefill).
 """
 
 from __future__ import annotations
@@ -122,13 +122,15 @@ class Feedback:
     beyond them was rejected. `tokens` [T] are the forward's input rows (a prefill chunk, or
     the round's root followed by the draft's nodes) and `path` the accepted nodes (empty for
     prefill). `logits` [T, V] are the target's logits at those rows, present when the drafter
-    `wants_logits`.
+    `wants_logits`; `hidden` [C, T, D] (float32) the outputs of the target's blocks named by
+    the drafter's `hidden_layers`, in that order, present when it names any.
     """
 
     committed: int
     tokens: torch.Tensor  # [T] int64
     path: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [T, V]
+    hidden: torch.Tensor | None = None  # [C, T, D]
 
 
 class Drafter(Protocol):
@@ -139,13 +141,17 @@ class Drafter(Protocol):
 
     `cost`: target forwards one drafting step costs (0 for sources that run no model: their
     drafts are trimmed after drafting; a costly drafter is asked for fewer tokens instead).
-    `wants_logits`: the engine runs the prompt row by row and passes the target's logits in
-    every `Feedback` (Token Recycling learns from them).
+    `wants_logits`: the engine passes the target's logits at every row of every forward,
+    prompt included, in `Feedback` (Token Recycling learns from them). `hidden_layers`: the
+    target's blocks (0-based; their outputs before the final norm) whose hidden states every
+    `Feedback` carries, prompt included (EAGLE-style heads read low, middle and high blocks);
+    empty for none.
     """
 
     name: str
     cost: float
     wants_logits: bool
+    hidden_layers: tuple[int, ...]
 
     def begin(self, prompt_ids: list[int]) -> Drafter | None:
         """The drafter of a new request: one with state of its own (a draft model's KV cache,
@@ -166,16 +172,27 @@ def start(drafter: Drafter, prompt_ids: list[int]) -> Drafter:
     return drafter if session is None else session
 
 
-def check_drafter(drafter: object) -> None:
-    """Raise ConfigError naming what a custom drafter lacks of the `Drafter` protocol."""
+def check_drafter(drafter: object, num_layers: int) -> None:
+    """Raise ConfigError naming what a custom drafter lacks of the `Drafter` protocol, or
+    hidden layers a target of `num_layers` blocks does not have."""
     missing = [
         name
-        for name in ("name", "cost", "wants_logits", "begin", "propose", "observe")
+        for name in ("name", "cost", "wants_logits", "hidden_layers", "begin", "propose", "observe")
         if not hasattr(drafter, name)
     ]
     if missing:
         raise ConfigError(
             f"the drafter {type(drafter).__name__} lacks {', '.join(missing)} of the Drafter "
             "protocol (specfork.drafters.base.Drafter): give it name, cost (0.0 for a drafter "
-            "that runs no model), wants_logits, begin(), propose() and observe()"
+            "that runs no model), wants_logits, hidden_layers (() for none), begin(), propose() "
+            "and observe()"
+        )
+    layers = drafter.hidden_layers  # type: ignore[attr-defined]
+    valid = isinstance(layers, tuple | list) and all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in layers
+    )
+    if not valid or len(set(layers)) != len(layers):
+        raise ConfigError(
+            f"the drafter {type(drafter).__name__} asks for hidden_layers {layers!r}: give a "
+            f"tuple of distinct block indices in [0, {num_layers}) of the target, or () for none"
         )

@@ -56,6 +56,7 @@ class ForkDrafter:
         self.chains = chains
         self.name = "+".join([*(["recycle"] if recycle else []), *chains])
         self.wants_logits = recycle or any(c.wants_logits for c in chains.values())
+        self.hidden_layers: tuple[int, ...] = ()
         # target forwards one level of drafting costs (SporkPolicy's model depth)
         self.cost = sum(c.cost for c in chains.values())
 

@@ -43,6 +43,7 @@ class ModelDrafter:
         self.layers = layers
         self.name = name
         self.wants_logits = False
+        self.hidden_layers: tuple[int, ...] = ()
         self.max_len = max_len
         self.cache: KVCache | None = None  # this drafter's own KV cache, made on first use
         self.cost = step_weights(model, layers) / step_weights(model) if cost is None else cost

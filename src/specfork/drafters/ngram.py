@@ -21,6 +21,7 @@ class NgramDrafter:
     name = "ngram"
     cost = 0.0
     wants_logits = False
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not (isinstance(min_ngram, int) and isinstance(max_ngram, int)):

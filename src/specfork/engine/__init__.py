@@ -102,7 +102,7 @@ class Generator:
         self.spec = spec or SpecConfig()
         self._check_k(self.spec)
         if drafter is not None:
-            check_drafter(drafter)
+            check_drafter(drafter, loaded.model.config.num_layers)
         if policy is not None:
             check_policy(policy)
         if drafter is not None and self.spec.strategy == "ar":
@@ -258,15 +258,17 @@ class Generator:
         )
 
     def _prefill(self, req: Request) -> torch.Tensor:
-        """Run the prompt; a drafter that learns from the target's logits sees every row."""
-        ids, cache, chunk = req.prompt_ids, req.cache, self.prefill_chunk
-        if req.drafter is None or not req.drafter.wants_logits:
+        """Run the prompt; a drafter that learns from the target's logits or hidden states
+        sees every row."""
+        ids, cache, chunk, drafter = req.prompt_ids, req.cache, self.prefill_chunk, req.drafter
+        if drafter is None or not (drafter.wants_logits or drafter.hidden_layers):
             return self.model.extend(ids, cache, chunk=chunk)  # [V]
         for i in range(0, len(ids), chunk):
             part = ids[i : i + chunk]
-            logits = self.model.extend(part, cache, last_only=False)  # [T, V]
+            logits, hidden = self.model.extend_capturing(part, cache, drafter.hidden_layers)
             rows = torch.tensor(part, device=logits.device)  # [T]
-            req.drafter.observe(Feedback(i + len(part), rows, [], logits))
+            wanted = logits if drafter.wants_logits else None  # [T, V]
+            drafter.observe(Feedback(i + len(part), rows, [], wanted, hidden))
         return logits[-1]
 
     def _new_gate(self) -> GoodputGate | TreeGate | None:

@@ -32,9 +32,9 @@ def run_round(model: DecoderLM, req: Request) -> list[int]:
     """One round of `req`; returns the tokens to emit (the accepted ones, then the target's)."""
     shape, proposed, draft = propose(req)
     start = req.cache.length
-    logits = verify_forward(model, req, draft)  # [N + 1, V]
+    logits, hidden = verify_forward(model, req, draft)  # [N + 1, V], [C, N + 1, D] or None
     verdict = accept(req, draft, logits)
-    commit(req, draft, verdict, start, logits)
+    commit(req, draft, verdict, start, logits, hidden)
     learn(req, shape, proposed, draft, verdict, logits)
     return verdict.tokens
 
@@ -81,21 +81,30 @@ def gated(req: Request, proposed: Draft) -> Draft:
     return proposed
 
 
-def verify_forward(model: DecoderLM, req: Request, draft: Draft) -> torch.Tensor:
-    """The target's logits [N + 1, V] at the root and every node, in one forward."""
+def verify_forward(
+    model: DecoderLM, req: Request, draft: Draft
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's logits [N + 1, V] at the root and every node, in one forward, and the
+    outputs [C, N + 1, D] of the blocks the drafter asks for (None if it asks for none)."""
     t0 = time.perf_counter()
-    root = req.history[-1]
-    if draft.is_chain:
-        logits = model.extend([root, *draft.tokens.tolist()], req.cache, last_only=False)
+    rows = [req.history[-1], *draft.tokens.tolist()]  # the root, then the nodes
+    capture = req.drafter.hidden_layers if req.drafter is not None else ()
+    captured = None
+    if draft.is_chain and not capture:
+        logits = model.extend(rows, req.cache, last_only=False)
+    elif draft.is_chain:
+        logits, captured = model.extend_capturing(rows, req.cache, capture)
     else:
         start = req.cache.length
-        inputs = torch.tensor([root, *draft.tokens.tolist()], device=model.device)  # [N + 1]
+        inputs = torch.tensor(rows, device=model.device)  # [N + 1]
         mask = tree_mask(draft.tree).to(model.device)  # [N + 1, N + 1]
         positions = tree_positions(draft.tree, start).to(model.device)  # [N + 1]
-        hidden = model(inputs[None], positions, req.cache, mask=mask)  # [1, N + 1, D]
+        hidden, captured = model.forward_capturing(
+            inputs[None], positions, req.cache, mask=mask, capture=capture
+        )  # [1, N + 1, D], [C, N + 1, D] or None
         logits = model.logits(hidden[0])  # [N + 1, V]
     req.stats.verify_seconds += time.perf_counter() - t0
-    return logits
+    return logits, captured
 
 
 def accept(req: Request, draft: Draft, logits: torch.Tensor) -> Verdict:
@@ -117,8 +126,16 @@ def accept(req: Request, draft: Draft, logits: torch.Tensor) -> Verdict:
     return verify_tree_sampling(draft.tree, probabilities(logits, sampling), draft.q, req.rng)
 
 
-def commit(req: Request, draft: Draft, verdict: Verdict, start: int, logits: torch.Tensor) -> None:
-    """Keep the accepted path in the cache (slot `start` holds the root) and tell the drafter."""
+def commit(
+    req: Request,
+    draft: Draft,
+    verdict: Verdict,
+    start: int,
+    logits: torch.Tensor,
+    hidden: torch.Tensor | None,
+) -> None:
+    """Keep the accepted path in the cache (slot `start` holds the root) and tell the drafter
+    (the target's logits and hidden states [C, N + 1, D] at every row, when it asks)."""
     if draft.is_chain:
         req.cache.truncate(start + 1 + verdict.accepted)  # drop the rejected drafts' entries
     else:
@@ -128,7 +145,7 @@ def commit(req: Request, draft: Draft, verdict: Verdict, start: int, logits: tor
     rows = torch.tensor([req.history[-1], *draft.tokens.tolist()], device=logits.device)
     wanted = logits if req.drafter.wants_logits else None
     committed = len(req.history) + verdict.accepted
-    req.drafter.observe(Feedback(committed, rows, verdict.path, wanted))
+    req.drafter.observe(Feedback(committed, rows, verdict.path, wanted, hidden))
 
 
 def learn(

@@ -64,6 +64,19 @@ class Steps:
         hidden = outs[-1][-1] if last_only else torch.cat(outs)  # [D] or [T, D]
         return self.logits(hidden)
 
+    def extend_capturing(
+        self, ids: Sequence[int], cache: KVCache, capture: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append a chain of tokens in one forward: logits [T, V] of every token and the
+        outputs [C, T, D] of the blocks in `capture` (None if empty)."""
+        dev = self.device  # type: ignore[attr-defined]
+        tokens = torch.tensor(ids, device=dev)  # [T]
+        positions = torch.arange(cache.length, cache.length + len(ids), device=dev)  # [T]
+        hidden, captured = self.forward_capturing(  # type: ignore[attr-defined]
+            tokens[None], positions, cache, capture=capture
+        )
+        return self.logits(hidden[0]), captured
+
 
 class DecoderLM(Steps, nn.Module):
     """Base class; subclasses build `self.blocks` and may override `embed`."""
@@ -102,17 +115,37 @@ class DecoderLM(Steps, nn.Module):
         the cache grows by T. `layers` runs a subset (early exit / layer skipping): the layers
         not run leave their cache slots unwritten.
         """
+        return self.forward_capturing(tokens, positions, cache, mask, layers)[0]
+
+    def forward_capturing(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        mask: torch.Tensor | None = None,
+        layers: Sequence[int] | None = None,
+        capture: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, and the outputs [C, B * T, D] (float32) of the blocks in `capture`, in
+        that order (None if `capture` is empty): what draft heads learn from."""
+        run = range(len(self.blocks)) if layers is None else layers
+        if any(i not in run for i in capture):
+            raise ValueError(f"captured layers {list(capture)} must be among those run")
         start = cache.reserve(positions)
         masks = self._masks(cache, start, positions, mask)
         ropes = self._ropes(positions)
+        states: dict[int, torch.Tensor] = {}
         with self._kernels_for(tokens.numel()):
             h = self.embed(tokens)  # [B, T, D]
-            for i in range(len(self.blocks)) if layers is None else layers:
+            for i in run:
                 kind = self.config.layer_type(i)
                 h = self.blocks[i](h, ropes[kind], cache, start, masks[kind])
+                if i in capture:
+                    states[i] = h.reshape(-1, h.shape[-1]).float()  # [B * T, D]
             h = self.norm(h)
         cache.commit_pending()
-        return h
+        captured = torch.stack([states[i] for i in capture]) if capture else None  # [C, BT, D]
+        return h, captured
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [..., D] → float32 logits [..., V]."""

@@ -78,19 +78,38 @@ class FastLM(Steps):
         layers: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Hidden states [1, T, D] (float32) of tokens [1, T] at positions [T]."""
+        return self.forward_capturing(tokens, positions, cache, mask, layers)[0]
+
+    forward = __call__
+
+    def forward_capturing(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        mask: torch.Tensor | None = None,
+        layers: Sequence[int] | None = None,
+        capture: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, and the outputs [C, T, D] of the blocks in `capture` (None if none)."""
         if tokens.dim() != 2 or tokens.shape[0] != 1:
             raise ValueError(f"FastLM runs one sequence: tokens [1, T], not {tuple(tokens.shape)}")
         if mask is not None and mask.dim() != 2:
             raise ValueError("FastLM takes a [T, T] mask")
+        run = range(self.config.num_layers) if layers is None else layers
+        if any(i not in run for i in capture):
+            raise ValueError(f"captured layers {list(capture)} must be among those run")
+        captured = None
+        if capture:
+            t, d = tokens.shape[1], self.config.hidden_size
+            captured = torch.empty(len(capture), t, d, dtype=torch.float32)  # [C, T, D]
         start = cache.reserve(positions)
         hidden = self.core.forward(
             tokens[0], positions, mask, cache.k, cache.v, cache.positions, start,
-            None if layers is None else list(layers),
+            None if layers is None else list(layers), list(capture), captured,
         )  # fmt: skip
         cache.commit_pending()
-        return hidden[None]  # [1, T, D]
-
-    forward = __call__
+        return hidden[None], captured  # [1, T, D], [C, T, D]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [..., D] → float32 logits [..., V]."""

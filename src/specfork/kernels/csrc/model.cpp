@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
@@ -228,10 +229,13 @@ class FastModel {
 
   // tokens [T] int64, positions [T] int64, mask [T, T] bool or None (causal), caches
   // [L, 1, Hkv, S, D], cache_positions [S] int64 (slots before `start` already filled).
+  // `capture` names blocks whose outputs [T, hidden] are copied to captured[j] (float32
+  // [C, T, hidden]), for drafters that learn from the target's hidden states.
   torch::Tensor forward(torch::Tensor tokens, torch::Tensor positions,
                         std::optional<torch::Tensor> mask, torch::Tensor k_cache,
                         torch::Tensor v_cache, torch::Tensor cache_positions, int64_t start,
-                        std::optional<std::vector<int64_t>> layers) {
+                        std::optional<std::vector<int64_t>> layers,
+                        std::vector<int64_t> capture, std::optional<torch::Tensor> captured) {
     check(embed_ != nullptr && head_.n > 0, "the model is not complete");
     const int64_t T = tokens.numel();
     check(positions.numel() == T && T > 0, "tokens and positions must have the same length > 0");
@@ -272,6 +276,17 @@ class FastModel {
     } else {
       for (int64_t i = 0; i < num_layers(); ++i) run.push_back(i);
     }
+    float* cap = nullptr;
+    if (!capture.empty()) {
+      check(captured.has_value() && captured->is_contiguous() &&
+                captured->dtype() == torch::kFloat32 && captured->dim() == 3 &&
+                captured->size(0) == static_cast<int64_t>(capture.size()) &&
+                captured->size(1) == T && captured->size(2) == hidden_,
+            "captured must be a contiguous float32 [C, T, hidden] tensor");
+      cap = captured->data_ptr<float>();
+      for (int64_t c : capture)
+        check(std::find(run.begin(), run.end(), c) != run.end(), "a captured layer is not run");
+    }
     const int64_t per_layer = heads_kv_ * slots * head_dim_;
     for (int64_t i : run) {
       check(i >= 0 && i < num_layers(), "layer index out of range");
@@ -286,6 +301,8 @@ class FastModel {
       const bool own_rope = l.sliding && rope_local_.inv.defined();
       block(l, h, T, kv, start, local ? plan_local : plan_full, own_rope ? cos_local : cos_full,
             own_rope ? sin_local : sin_full);
+      for (size_t j = 0; j < capture.size(); ++j)
+        if (capture[j] == i) std::memcpy(cap + j * T * hidden_, h, sizeof(float) * T * hidden_);
     }
     for (int64_t r = 0; r < T; ++r)
       rmsnorm(h + r * hidden_, final_norm_.w.data_ptr<float>(), hidden_, eps_, h + r * hidden_);
