@@ -475,3 +475,40 @@ def test_blocks_match_token_by_token_semantics(
     assert consumed == expected_used
     eos_consumed = eos_at is not None and eos_at < consumed
     assert len(b.token_ids) == expected_used - int(eos_consumed)
+
+
+def _held_back_by_brute_force(text: str, stops: Sequence[str]) -> int:
+    """The longest suffix of `text` that is a proper prefix of a stop string, by trying all."""
+    return max(
+        (n for s in stops for n in range(len(s)) if n <= len(text) and text.endswith(s[:n])),
+        default=0,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=8), min_size=1, max_size=3),
+)
+def test_held_back_text_is_the_longest_stop_prefix(text: str, stops: list[str]) -> None:
+    """The linear-time hold-back (a KMP automaton over the text's tail) agrees with trying
+    every prefix of every stop string, on small alphabets where borders abound."""
+    from specfork.engine.output import _failure, _prefix_suffix
+
+    got = max(
+        _prefix_suffix(s, _failure(s), text[len(text) - min(len(text), len(s) - 1) :])
+        for s in stops
+    )
+    assert got == _held_back_by_brute_force(text, stops)
+
+
+def test_a_long_stop_string_of_one_letter_holds_back_everything(tok: Tokenizer, ids) -> None:
+    """A 100 000-character stop string of one repeated letter: every emitted character could
+    still begin it, so nothing is shown until the output ends."""
+    stop = "x" * 100_000
+    out = OutputBuilder(tok, GenerationConfig(max_new_tokens=500, stop=(stop,)), max_tokens=500)
+    for _ in range(200):
+        out.add(ids("x"))
+        assert out.new_text() == ""  # all of it could still become the stop string
+    out.finish("length")
+    assert out.new_text() == "x" * 200

@@ -36,6 +36,7 @@ class OutputBuilder:
         self.finish_reason: str | None = None
         self._emitted = 0  # characters of self.text already handed to the caller
         self._longest_stop = max((len(s) for s in config.stop), default=0)
+        self._failures = [_failure(s) for s in config.stop]
 
     @property
     def done(self) -> bool:
@@ -89,11 +90,36 @@ class OutputBuilder:
         return delta
 
     def _held_back(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of some stop string."""
+        """Length of the longest text suffix that is a proper prefix of some stop string
+        (linear in the stop strings' lengths: a KMP automaton run over the text's tail)."""
         held = 0
-        for s in self.config.stop:
-            for n in range(min(len(s) - 1, len(self.text)), held, -1):
-                if self.text.endswith(s[:n]):
-                    held = n
-                    break
+        for stop, fail in zip(self.config.stop, self._failures, strict=True):
+            tail = self.text[len(self.text) - min(len(self.text), len(stop) - 1) :]
+            held = max(held, _prefix_suffix(stop, fail, tail))
         return held
+
+
+def _failure(pattern: str) -> list[int]:
+    """KMP failure function: fail[i] = length of the longest proper border of pattern[:i+1]."""
+    fail = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
+def _prefix_suffix(pattern: str, fail: list[int], text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `pattern`."""
+    k = 0
+    for ch in text:
+        if k == len(pattern):
+            k = fail[k - 1]
+        while k and ch != pattern[k]:
+            k = fail[k - 1]
+        if ch == pattern[k]:
+            k += 1
+    return fail[k - 1] if k == len(pattern) else k
