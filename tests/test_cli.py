@@ -212,7 +212,7 @@ def test_brackets_in_a_path_are_shown_verbatim(
         (["-t", "inf"], ["temperature", "inf"]),
         (["--top-p", "0"], ["top_p", "(0, 1]"]),
         (["--top-p", "1.5"], ["top_p", "1.5"]),
-        (["--top-k", "-1"], ["top_k", "-1"]),
+        (["--top-k", "-2"], ["top_k", "-2"]),
         (["--min-p", "-0.1"], ["min_p", "[0, 1]"]),
         (["--min-p", "1.5"], ["min_p", "1.5"]),
         (["--max-new-tokens", "0"], ["max_new_tokens", ">= 1"]),

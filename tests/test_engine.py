@@ -298,7 +298,7 @@ def test_context_limit(smollm_f32: LoadedModel, gen: Generator) -> None:
         ({"temperature": math.nan}, "temperature"),
         ({"temperature": math.inf}, "temperature"),
         ({"temperature": "0.5"}, "temperature"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"top_k": 2.5}, "top_k"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
@@ -539,3 +539,49 @@ class OldStylePolicy:
 def test_a_policy_missing_protocol_members_is_named(smollm_f32: LoadedModel) -> None:
     with pytest.raises(ConfigError, match="lacks begin, next_shape, update, trace"):
         Generator(smollm_f32, spec=SpecConfig("speculative"), policy=OldStylePolicy())
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [SpecConfig(), SpecConfig("speculative", "ngram", k=4), SpecConfig("spork", "recycle+ngram")],
+    ids=["ar", "ngram", "spork"],
+)
+def test_logprobs_are_the_targets_at_each_emitted_token(smollm_f32, spec: SpecConfig) -> None:
+    """One entry per output token (an EOS that ends the output has none): the raw
+    log-softmax of the target's logits at that position, as one forward over the whole
+    output computes it (eager float32: equal within rounding), top entries sorted."""
+    gen = Generator(smollm_f32, spec=spec)
+    config = GenerationConfig(max_new_tokens=40, logprobs=3)
+    result = gen.generate(FRANCE, config=config)
+    assert result.finish_reason == "stop"  # ended by EOS, which gets no entry
+    assert result.logprobs is not None and len(result.logprobs) == len(result.token_ids)
+    model = smollm_f32.model
+    ids = result.prompt_ids + result.token_ids
+    with torch.inference_mode():
+        logits = model.extend(ids[:-1], model.new_cache(len(ids) + 8), last_only=False)
+    ref = torch.log_softmax(logits[len(result.prompt_ids) - 1 :], dim=-1)  # [T, V]
+    for i, entry in enumerate(result.logprobs):
+        assert entry.token == result.token_ids[i]
+        assert entry.logprob == pytest.approx(float(ref[i, entry.token]), abs=1e-4)
+        assert entry.top[0] == (entry.token, entry.logprob)  # greedy: the most likely one
+        assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+        assert len(entry.top) == 3
+    plain = gen.generate(FRANCE, config=GenerationConfig(max_new_tokens=40))
+    assert plain.logprobs is None and plain.token_ids == result.token_ids
+
+
+def test_a_time_limit_ends_the_output_with_reason_time(smollm_f32) -> None:
+    gen = Generator(smollm_f32)
+    config = GenerationConfig(max_new_tokens=500, ignore_eos=True, max_seconds=1e-9)
+    result = gen.generate(FRANCE, config=config)
+    assert result.finish_reason == "time"
+    assert 1 <= len(result.token_ids) < 500  # the first token, then the limit is seen
+    same_length = GenerationConfig(max_new_tokens=len(result.token_ids), ignore_eos=True)
+    full = gen.generate(FRANCE, config=same_length)
+    assert full.token_ids == result.token_ids
+    for bad in (0, -1, float("nan"), True, "1"):
+        with pytest.raises(ConfigError, match="max_seconds"):
+            GenerationConfig(max_seconds=bad)
+    for bad in (-1, 21, 1.5, True):
+        with pytest.raises(ConfigError, match="logprobs"):
+            GenerationConfig(logprobs=bad)

@@ -92,7 +92,7 @@ def test_a_path_in_a_tree_equals_the_chain(loaded: LoadedModel) -> None:
 @pytest.fixture(scope="module")
 def plain_runs(loaded: LoadedModel) -> list:
     gen = Generator(loaded)
-    config = GenerationConfig(max_new_tokens=N, ignore_eos=True)
+    config = GenerationConfig(max_new_tokens=N, ignore_eos=True, logprobs=5)
     return [gen.generate(p, config=config) for p in PROMPTS]
 
 
@@ -100,11 +100,14 @@ def plain_runs(loaded: LoadedModel) -> list:
 def test_every_strategy_reproduces_plain_decoding(
     loaded: LoadedModel, plain_runs: list, name: str
 ) -> None:
+    """The same tokens, and bitwise the same log-probabilities (emitted and top 5): each is
+    read from the verification row that predicted the token, which equals plain decoding's."""
     gen = Generator(loaded, spec=STRATEGIES[name], cost_curve=CURVE)
-    config = GenerationConfig(max_new_tokens=N, ignore_eos=True)
+    config = GenerationConfig(max_new_tokens=N, ignore_eos=True, logprobs=5)
     drafted = 0
     for prompt, plain in zip(PROMPTS, plain_runs, strict=True):
         result = gen.generate(prompt, config=config)
         assert result.token_ids == plain.token_ids, (name, prompt)
+        assert result.logprobs == plain.logprobs, (name, prompt)
         drafted += result.stats.drafted
     assert drafted > 0  # the strategy really speculated

@@ -74,7 +74,7 @@ def test_sample_frequencies_follow_probabilities():
         {"temperature": float("inf")},
         {"top_p": 0.0},
         {"top_p": 1.5},
-        {"top_k": -1},
+        {"top_k": -2},
         {"min_p": -0.1},
         {"min_p": 1.1},
     ],
@@ -82,3 +82,7 @@ def test_sample_frequencies_follow_probabilities():
 def test_invalid_values_rejected(kwargs):
     with pytest.raises(ConfigError):
         SamplingParams(**kwargs)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm() -> None:
+    assert SamplingParams(temperature=1.0, top_k=-1) == SamplingParams(temperature=1.0, top_k=0)

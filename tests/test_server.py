@@ -202,6 +202,9 @@ def test_models_health_metrics(served: Served) -> None:
 # -- bad input ------------------------------------------------------------------------------------
 
 LONG = "word " * 1500
+HUGE_TREE = {"strategy": "spork", "drafter": "self", "forks": 64, "depth": 64, "adapt": False}
+ADAPTED_TREE = {"strategy": "spork", "forks": 9, "depth": 8}  # adapt: up to 18 × 16 = 288 nodes
+LOSSY = {"strategy": "spork", "lossy_typical": True}  # the server does not allow lossy requests
 BAD = [
     ("completions", b"{not json", None),
     ("completions", b"[1, 2]", None),
@@ -234,7 +237,7 @@ BAD = [
     ("completions", b'{"prompt": "hi", "temperature": Infinity}', "temperature"),
     ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
     ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
-    ("completions", {"prompt": "hi", "top_k": -1}, "top_k"),
+    ("completions", {"prompt": "hi", "top_k": -2}, "top_k"),
     ("completions", {"prompt": "hi", "min_p": -0.1}, "min_p"),
     ("completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
     ("completions", {"prompt": "hi", "seed": -3}, "seed"),
@@ -284,7 +287,19 @@ BAD = [
     ),
     ("completions", {"prompt": "hi", "speculative": {"strategy": "ar", "k": 2}}, "speculative"),
     ("completions", {"prompt": "hi", "max_token": 4}, "max_token"),
-    ("completions", {"prompt": "hi", "logprobs": 5}, "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": True}, "logprobs"),
+    ("chat/completions", {"messages": MESSAGES, "logprobs": 3}, "logprobs"),
+    ("chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    (
+        "chat/completions",
+        {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
+    ("completions", {"prompt": "hi", "stop": ["x" * 513]}, "stop"),
+    ("completions", {"prompt": "hi", "speculative": HUGE_TREE}, "speculative"),
+    ("completions", {"prompt": "hi", "speculative": ADAPTED_TREE}, "speculative"),
+    ("completions", {"prompt": "hi", "speculative": LOSSY}, "speculative.lossy_typical"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("completions", {"prompt": "hi", "exact": 1}, "exact"),
     ("completions", {"prompt": [1, 99999999]}, "prompt"),
@@ -295,7 +310,8 @@ BAD = [
 @pytest.mark.parametrize(("path", "body", "param"), BAD, ids=[str(i) for i in range(len(BAD))])
 def test_bad_input_is_400(served: Served, path: str, body: bytes | dict, param: str | None) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    resp = httpx.post(f"{served.url}/v1/{path}", content=content, timeout=60)
+    headers = {"content-type": "application/json"}
+    resp = httpx.post(f"{served.url}/v1/{path}", content=content, headers=headers, timeout=60)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -432,7 +448,9 @@ class FakeStream:
         self.engine, self.ids, self.n = engine, ids, n
         self.result: GenerationResult | None = None
 
-    def __iter__(self) -> Iterator[str]:
+    logprobs = None
+
+    def rounds(self) -> Iterator[str]:
         if not self.engine.permits.acquire(timeout=60):
             raise TimeoutError("the test never released this request")
         if self.engine.fail:

@@ -136,7 +136,7 @@ class SamplingParams:
     """How a token is chosen from logits. temperature 0 means greedy (argmax)."""
 
     temperature: float = 0.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 = off (-1, vLLM's "off", is taken as 0)
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
@@ -147,8 +147,10 @@ class SamplingParams:
             raise ConfigError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
             )
+        if _is_int(self.top_k) and self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+            raise ConfigError(f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k}")
         if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
@@ -162,6 +164,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationConfig:
     """Limits and stop conditions of one request."""
@@ -171,10 +176,20 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     exact: bool = False  # demand output bitwise equal to plain decoding (batch-invariant steps)
+    max_seconds: float | None = None  # decoding time limit (finish reason "time"); None: none
+    logprobs: int | None = None  # None: no log-probabilities; n: the emitted token's and top n
 
     def __post_init__(self) -> None:
         if not isinstance(self.exact, bool) or not isinstance(self.ignore_eos, bool):
             raise ConfigError("exact and ignore_eos must be true or false")
+        t = self.max_seconds
+        if t is not None and not (_is_number(t) and t > 0):
+            raise ConfigError(f"max_seconds must be a number > 0 (or None), got {t!r}")
+        n = self.logprobs
+        if n is not None and not (_is_int(n) and 0 <= n <= MAX_LOGPROBS):
+            raise ConfigError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {n!r}"
+            )
         n = self.max_new_tokens
         if not _is_int(n) or n < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {n}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -13,6 +14,7 @@ from specfork.cli.common import add_model_flags, add_spec_flags, model_options, 
 from specfork.engine.thread import model_thread, run_in
 from specfork.errors import SpecforkError
 from specfork.server.run import bind_socket, require_server_packages
+from specfork.server.security import WILDCARD_BINDS, default_allowed_hosts
 
 if TYPE_CHECKING:
     from specfork.config import SpecConfig
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SERVED_STRATEGIES = 16  # strategies kept built for requests (the most recently used)
+API_KEY_ENV = "SPECFORK_API_KEY"
 
 
 def add_parser(subparsers: Any) -> None:
@@ -54,8 +57,79 @@ def add_parser(subparsers: Any) -> None:
         default=256,
         help="max_tokens of requests that give none (256)",
     )
+    add_safety_flags(p)
     add_spec_flags(p)
     p.set_defaults(run=run)
+
+
+def add_safety_flags(p: argparse.ArgumentParser) -> None:
+    """Who may call the server and how much one request may ask for (docs/server.md)."""
+    g = p.add_argument_group("access and limits")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)",
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated Host header names served, '*' for any (default: loopback names "
+        "and --host; any host when --host is a wildcard and an API key is set)",
+    )
+    g.add_argument(
+        "--max-draft-nodes",
+        type=int,
+        default=256,
+        help="tokens a request's strategy may draft per round, e.g. forks × depth (256)",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="decoding time of one request; then it ends with finish_reason length (300)",
+    )
+    g.add_argument(
+        "--fixed-strategy",
+        action="store_true",
+        help="refuse requests that choose their own strategy (the speculative object)",
+    )
+    g.add_argument(
+        "--allow-lossy",
+        action="store_true",
+        help="let requests opt into lossy typical acceptance (speculative.lossy_typical)",
+    )
+    g.add_argument(
+        "--metrics-prefix",
+        default="specfork:",
+        help="prefix of the vLLM-named spec_decode_* metrics ('vllm:' for vLLM dashboards)",
+    )
+
+
+def security_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ServerSettings fields the access-and-limits flags give."""
+    if args.allowed_hosts is not None:
+        hosts = tuple(h.strip() for h in args.allowed_hosts.split(","))
+    elif args.host in WILDCARD_BINDS and args.api_key:
+        hosts = ("*",)  # the key protects the server; any name may reach it
+    else:
+        hosts = default_allowed_hosts(args.host)
+    if args.host in WILDCARD_BINDS and not args.api_key:
+        log.warning(
+            "listening on every interface without an API key: anyone who can reach this "
+            "machine can use the model; set --api-key (Host names served: %s)",
+            ", ".join(hosts),
+        )
+    return {
+        "api_key": args.api_key,
+        "allowed_hosts": hosts,
+        "max_draft_nodes": args.max_draft_nodes,
+        "request_timeout": args.request_timeout,
+        "fixed_strategy": args.fixed_strategy,
+        "allow_lossy": args.allow_lossy,
+        "metrics_prefix": args.metrics_prefix,
+    }
 
 
 def run(args: argparse.Namespace, err_console: Console) -> int:
@@ -66,6 +140,10 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
 
     spec = spec_from_args(args, expected_length=args.default_max_tokens)
     make_policy(spec.k_policy, spec.k, spec.expected_length)  # validate before loading
+    from specfork.server.worker import ServerSettings
+
+    settings = security_settings(args)
+    ServerSettings("check", **settings)  # bad flags fail before the model loads
     if args.max_context is not None and args.max_context < 2:
         raise SpecforkError(f"--max-context must be at least 2, got {args.max_context}")
     sock = bind_socket(args.host, args.port)
@@ -79,6 +157,7 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
         queue_size=args.queue_size,
         plain_above_queue=args.plain_above_queue,
         default_max_tokens=args.default_max_tokens,
+        **settings,
     )
     host, port = sock.getsockname()[:2]
     err_console.print(

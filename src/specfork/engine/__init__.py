@@ -19,6 +19,7 @@ import torch
 from specfork.cache import KVCache
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Drafter, Feedback, check_drafter, start
+from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.output import OutputBuilder
 from specfork.engine.request import Request
 from specfork.engine.round import run_round
@@ -44,23 +45,36 @@ class GenerationResult:
 
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS, stop id or stop string) or "length"
+    finish_reason: str  # "stop" (EOS, stop id or stop string), "length" or "time"
     prompt_ids: list[int]
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the config asks
 
 
 class TextStream:
-    """Iterates over text deltas; `result` is set once the iteration is exhausted."""
+    """Iterates over text deltas; `result` is set once the iteration is exhausted.
 
-    def __init__(self, events: Iterator[str | GenerationResult]) -> None:
+    `logprobs` (when the config asks for them) grows as tokens are emitted: one entry per
+    output token so far, ahead of the text when a stop string holds text back.
+    """
+
+    def __init__(
+        self, events: Iterator[str | GenerationResult], logprobs: list[TokenLogprob] | None = None
+    ) -> None:
         self._events = events
         self.result: GenerationResult | None = None
+        self.logprobs = logprobs
 
     def __iter__(self) -> Iterator[str]:
+        return (text for text in self.rounds() if text)
+
+    def rounds(self) -> Iterator[str]:
+        """Each round's new text, "" when a round shows nothing new (text held back for a
+        stop string): a caller regains control after every round, to cancel or time out."""
         for event in self._events:
             if isinstance(event, GenerationResult):
                 self.result = event
-            elif event:
+            else:
                 yield event
 
 
@@ -185,7 +199,8 @@ class Generator:
         self._check_exact(config)
         self._check_thread()
         self.use_strategy(spec or self.default_spec)
-        return TextStream(self._events(self._new_request(ids, config, sampling)))
+        req = self._new_request(ids, config, sampling)
+        return TextStream(self._events(req), req.logprobs)
 
     def warm_up(self, new_tokens: int = 4) -> None:
         """Run a short generation so that the first request does not pay for first-use costs."""
@@ -218,23 +233,32 @@ class Generator:
             logits = self._prefill(req)  # [V]
             stats.prefill_seconds = time.perf_counter() - t0
             tokens = [next_token(logits, sampling, req.rng)]
+            req.note_logprobs(logits[None], [0], tokens)
             stats.time_to_first_token = time.perf_counter() - t0
             t1 = time.perf_counter()
+            limit = out.config.max_seconds
             while True:
+                kept = len(out.token_ids)
                 used = out.add(tokens)
                 stats.new_tokens += used
                 req.history += tokens[:used]
+                if req.logprobs is not None:  # the tokens the output kept (not a stop id)
+                    req.logprobs += req.round_logprobs[: len(out.token_ids) - kept]
                 yield out.new_text()
                 if out.done:
                     break
                 if req.cache.length >= req.cache.max_len:
                     out.finish("length")
                     break
+                if limit is not None and time.perf_counter() - t0 > limit:
+                    out.finish("time")
+                    break
                 tokens = run_round(self.model, req)
         stats.decode_seconds = time.perf_counter() - t1
         yield out.new_text()
         ids = req.prompt_ids
-        yield GenerationResult(out.text, out.token_ids, out.finish_reason or "length", ids, stats)
+        reason = out.finish_reason or "length"
+        yield GenerationResult(out.text, out.token_ids, reason, ids, stats, req.logprobs)
 
     def _new_request(
         self, ids: list[int], config: GenerationConfig, sampling: SamplingParams

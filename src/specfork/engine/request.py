@@ -15,6 +15,7 @@ import torch
 from specfork.cache import KVCache
 from specfork.config import SamplingParams, SpecConfig
 from specfork.drafters.base import Drafter
+from specfork.engine.logprobs import TokenLogprob, token_logprobs
 from specfork.engine.output import OutputBuilder
 from specfork.engine.stats import GenerationStats
 from specfork.strategies.goodput import GoodputGate, TreeGate
@@ -36,15 +37,26 @@ class Request:
     policy: DraftPolicy | None = None
     gate: GoodputGate | TreeGate | None = None
     history: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # of the output tokens, when asked for
+    round_logprobs: list[TokenLogprob] = field(default_factory=list)  # the last round's tokens
 
     def __post_init__(self) -> None:
         if not self.history:
             self.history = list(self.prompt_ids)
+        if self.logprobs is None and self.out.config.logprobs is not None:
+            self.logprobs = []
 
     @property
     def generated(self) -> int:
         """Output tokens emitted so far."""
         return len(self.history) - len(self.prompt_ids)
+
+    def note_logprobs(self, logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:
+        """Keep the log-probabilities of a round's emitted `tokens`, predicted by `rows` of
+        its forward's logits [R, V] (when the request asks for them)."""
+        n = self.out.config.logprobs
+        if n is not None:
+            self.round_logprobs = token_logprobs(logits[rows], tokens, n)
 
     @property
     def room(self) -> int:

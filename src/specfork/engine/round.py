@@ -34,6 +34,7 @@ def run_round(model: DecoderLM, req: Request) -> list[int]:
     start = req.cache.length
     logits, hidden = verify_forward(model, req, draft)  # [N + 1, V], [C, N + 1, D] or None
     verdict = accept(req, draft, logits)
+    req.note_logprobs(logits, [0, *(1 + n for n in verdict.path)], verdict.tokens)
     commit(req, draft, verdict, start, logits, hidden)
     learn(req, shape, proposed, draft, verdict, logits)
     return verdict.tokens

@@ -8,6 +8,7 @@ events in OpenAI's chunk format. Every error is answered in OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -26,6 +27,7 @@ from specfork.errors import SpecforkError
 from specfork.server import schemas
 from specfork.server.metrics import CONTENT_TYPE, ServerMetrics
 from specfork.server.schemas import APIError, CompletionRequest, Kind, ResponseMeta
+from specfork.server.security import Guard
 from specfork.server.worker import Engine, EngineWorker, Event, Job, ServerSettings
 
 log = logging.getLogger(__name__)
@@ -47,13 +49,14 @@ def create_app(
 
     `thread` is the single-thread executor (`specfork.engine.thread.model_thread()`) that loaded
     the generator's model: requests run there, at full speed. `settings` are the other
-    `ServerSettings` fields (retry_after, default_max_tokens, max_body_bytes).
-    The engine worker runs between startup and shutdown.
+    `ServerSettings` fields (retry_after, default_max_tokens, max_body_bytes, api_key,
+    allowed_hosts, max_draft_nodes, request_timeout, fixed_strategy, allow_lossy,
+    metrics_prefix). The engine worker runs between startup and shutdown.
     """
     config = ServerSettings(
         model_name, queue_size=queue_size, plain_above_queue=plain_above_queue, **settings
     )
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(config.metrics_prefix, model_name)
     worker = EngineWorker(generator, metrics, config, thread)
     handlers = _Handlers(generator, worker, metrics, config)
 
@@ -64,6 +67,7 @@ def create_app(
         await run_in_threadpool(worker.stop)
 
     app = FastAPI(title="specfork", version=_version(), lifespan=lifespan)
+    app.add_middleware(Guard, api_key=config.api_key, allowed_hosts=config.allowed_hosts)
     app.state.worker, app.state.metrics = worker, metrics
     _add_error_handlers(app)
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
@@ -119,7 +123,11 @@ class _Handlers:
         self.metrics_ = metrics
         self.config = config
         self.ctx = schemas.ParseContext(
-            config.model_name, engine.context, engine.default_spec, config.default_max_tokens
+            config.model_name,
+            engine.context,
+            engine.default_spec,
+            config.default_max_tokens,
+            config.limits,
         )
         self.created = int(time.time())
 
@@ -194,11 +202,14 @@ class _Handlers:
             return error_response(first.error)
         meta = ResponseMeta.new(kind, self.config.model_name)
         if req.stream:
-            return _EventStream(
-                job, req, meta, lambda status: self.metrics_.count_request(endpoint, status)
-            )
+            count = functools.partial(self.metrics_.count_request, endpoint)
+            return _EventStream(job, req, meta, count, self._token_text)
         self.metrics_.count_request(endpoint, 200)
-        return JSONResponse(_whole_body(meta, first))
+        return JSONResponse(_whole_body(meta, first, self._token_text))
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's own text, as log-probabilities name it."""
+        return self.engine.tokenizer.decode([token_id])
 
     async def _body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -255,9 +266,17 @@ class _EventStream(StreamingResponse):
     never started), the job is cancelled and the request counted with its final status."""
 
     def __init__(
-        self, job: Job, req: CompletionRequest, meta: ResponseMeta, count: Callable[[int], None]
+        self,
+        job: Job,
+        req: CompletionRequest,
+        meta: ResponseMeta,
+        count: Callable[[int], None],
+        token_text: Callable[[int], str],
     ) -> None:
         self.job, self.req, self.meta, self.count = job, req, meta, count
+        self.token_text = token_text
+        self.logprobs_sent = 0  # entries already streamed; the final chunk carries the rest
+        self.chars_sent = 0  # token text so far (completions' text_offset)
         self.final_status = 499  # until the stream ends normally: the client went away
         super().__init__(
             self._events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -280,7 +299,9 @@ class _EventStream(StreamingResponse):
         while True:
             event = await self.job.next_event()
             if event.kind == "delta":
-                yield _data({**head, "choices": [schemas.choice(kind, event.text, None, True)]})
+                logprobs = self._logprobs(event.logprobs)
+                choice = schemas.choice(kind, event.text, None, True, logprobs)
+                yield _data({**head, "choices": [choice]})
             elif event.kind == "error":
                 assert event.error is not None
                 yield _data(event.error.body())
@@ -288,36 +309,63 @@ class _EventStream(StreamingResponse):
                 self.final_status = event.error.status
                 return
             elif event.kind == "done":
-                for chunk in _final_chunks(self.meta, event, self.req.include_usage):
+                assert event.result is not None
+                rest = event.result.logprobs
+                logprobs = self._logprobs(rest[self.logprobs_sent :] if rest is not None else None)
+                for chunk in _final_chunks(self.meta, event, self.req.include_usage, logprobs):
                     yield _data(chunk)
                 yield "data: [DONE]\n\n"
                 self.final_status = 200
                 return
 
 
+    def _logprobs(self, entries: list | None) -> dict[str, Any] | None:
+        """The `logprobs` object of a chunk carrying `entries` (None: not asked for)."""
+        if entries is None:
+            return None
+        body = schemas.logprobs_body(self.req.kind, entries, self.token_text, self.chars_sent)
+        self.logprobs_sent += len(entries)
+        self.chars_sent += sum(len(t) for t in body.get("tokens", ()))
+        return body
+
+
 def _data(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _whole_body(meta: ResponseMeta, done: Event) -> dict[str, Any]:
+def _whole_body(meta: ResponseMeta, done: Event, token_text: Callable[[int], str]) -> dict:
     result = done.result
     assert result is not None and done.spec is not None
+    logprobs = None
+    if result.logprobs is not None:
+        logprobs = schemas.logprobs_body(meta.kind, result.logprobs, token_text)
+    reason = schemas.finish_reason(result.finish_reason)
+    stats = schemas.speculative_stats(
+        done.spec, result.stats, done.plain_under_load, result.finish_reason
+    )
     return {
         **meta.head(False),
-        "choices": [schemas.choice(meta.kind, result.text, result.finish_reason, chunk=False)],
+        "choices": [schemas.choice(meta.kind, result.text, reason, False, logprobs)],
         "usage": schemas.usage(len(result.prompt_ids), len(result.token_ids)),
-        "speculative": schemas.speculative_stats(done.spec, result.stats, done.plain_under_load),
+        "speculative": stats,
     }
 
 
-def _final_chunks(meta: ResponseMeta, done: Event, include_usage: bool) -> list[dict[str, Any]]:
-    """The chunk with the finish reason (and the request's speculative stats), then usage."""
+def _final_chunks(
+    meta: ResponseMeta, done: Event, include_usage: bool, logprobs: dict[str, Any] | None
+) -> list[dict[str, Any]]:
+    """The chunk with the finish reason (the log-probabilities of tokens whose text was held
+    back, and the request's speculative stats), then usage."""
     result = done.result
     assert result is not None and done.spec is not None
+    reason = schemas.finish_reason(result.finish_reason)
+    stats = schemas.speculative_stats(
+        done.spec, result.stats, done.plain_under_load, result.finish_reason
+    )
     last = {
         **meta.head(True),
-        "choices": [schemas.choice(meta.kind, "", result.finish_reason, chunk=True)],
-        "speculative": schemas.speculative_stats(done.spec, result.stats, done.plain_under_load),
+        "choices": [schemas.choice(meta.kind, "", reason, True, logprobs)],
+        "speculative": stats,
     }
     if not include_usage:
         return [last]

@@ -1,4 +1,12 @@
-"""Prometheus metrics of one server (its own registry: two apps in a process never collide)."""
+"""Prometheus metrics of one server (its own registry: two apps in a process never collide).
+
+Speculative decoding is also counted under vLLM's names and labels (`spec_decode_num_drafts`,
+`spec_decode_num_draft_tokens`, `spec_decode_num_accepted_tokens`,
+`spec_decode_num_accepted_tokens_per_pos`; labels `model_name`, `engine`, and `position`),
+under a prefix the server sets (`specfork:` by default; `vllm:` lets dashboards built for
+vLLM work unchanged). A draft is one round's proposal (a chain or a tree); positions count
+accepted tokens by their depth in it, 0 first.
+"""
 
 from __future__ import annotations
 
@@ -24,9 +32,10 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class ServerMetrics:
     """Counters, gauges and histograms of a server; safe to update from any thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "specfork:", model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.spec = _SpecDecodeCounters(r, prefix, model_name)
         self.requests = Counter(
             "specfork_requests",
             "Completion requests by endpoint and HTTP status (499: the client went away)",
@@ -94,6 +103,7 @@ class ServerMetrics:
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
         self.forwards.inc(stats.target_forwards)
+        self.spec.observe(stats)
         self.ttft.observe(ttft)
         self.latency.observe(latency)
         with self._lock:
@@ -106,3 +116,36 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCounters:
+    """vLLM's speculative-decoding counters, named under `prefix`."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, model_name: str) -> None:
+        labels = ["model_name", "engine"]
+        self.labels = {"model_name": model_name, "engine": "0"}
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"{prefix}{name}", doc, [*labels, *extra], registry=registry)
+
+        self.drafts = counter("spec_decode_num_drafts", "Rounds that verified a draft")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Drafted tokens verified")
+        self.accepted = counter("spec_decode_num_accepted_tokens", "Drafted tokens accepted")
+        self.per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafted tokens by position in their draft (0 = first)",
+            ("position",),
+        )
+
+    def observe(self, stats: GenerationStats) -> None:
+        """Count one finished generation's rounds."""
+        drafts = [r for r in stats.rounds if r.drafted > 0]
+        if not drafts:
+            return
+        self.drafts.labels(**self.labels).inc(len(drafts))
+        self.draft_tokens.labels(**self.labels).inc(sum(r.drafted for r in drafts))
+        self.accepted.labels(**self.labels).inc(sum(r.accepted for r in drafts))
+        deepest = max(r.accepted for r in drafts)
+        for position in range(deepest):
+            n = sum(r.accepted > position for r in drafts)
+            self.per_pos.labels(**self.labels, position=str(position)).inc(n)

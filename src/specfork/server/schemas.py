@@ -13,13 +13,16 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.config import MAX_LOGPROBS, GenerationConfig, SamplingParams, SpecConfig
+from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError
 from specfork.spec_schema import OPTIONS_BY_NAME, Wording, check_used, spec_with
+from specfork.strategies import draft_nodes_bound
 
 Kind = Literal["completion", "chat"]
 Prompt = str | list[int] | list[dict[str, str]]
@@ -28,21 +31,23 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 REQUEST_WORDING = Wording("key", lambda o: f"speculative.{o.name}", this="this request")
 SPEC_KEYS = ("strategy", *OPTIONS_BY_NAME)  # one schema with the CLI flags and bench specs
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512  # characters per stop string
 MAX_SPEC_INT = 64  # largest k / n-gram size a request may ask for
 LAYERS = re.compile(r"\s*\d{1,4}(\s*-\s*\d{1,4})?(\s*,\s*\d{1,4}(\s*-\s*\d{1,4})?)*\s*")
 # fmt: off
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-    "stream_options", "n", "user", "speculative", "ignore_eos", "exact",
+    "stream_options", "n", "user", "speculative", "ignore_eos", "exact", "logprobs",
 })
 # fmt: on
-KIND_FIELDS = {"completion": {"prompt"}, "chat": {"messages", "max_completion_tokens"}}
+KIND_FIELDS = {
+    "completion": {"prompt"},
+    "chat": {"messages", "max_completion_tokens", "top_logprobs"},
+}
 # Accepted OpenAI fields whose features specfork lacks: allowed only at their neutral values.
 NEUTRAL = {
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
@@ -98,6 +103,16 @@ def _error_type(status: int) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What the server lets one request ask for (its operator's choices)."""
+
+    max_draft_nodes: int = 256  # tokens a request's strategy may draft per round
+    fixed_strategy: bool = False  # requests may not send a `speculative` object
+    allow_lossy: bool = False  # requests may ask for Medusa's typical acceptance (lossy)
+    max_seconds: float | None = 300.0  # decoding time of one request (finish reason "length")
+
+
+@dataclass(frozen=True, slots=True)
 class ParseContext:
     """What request validation needs to know about the server."""
 
@@ -105,6 +120,7 @@ class ParseContext:
     context: int  # tokens the model's context holds (prompt + completion)
     default_spec: SpecConfig
     default_max_tokens: int = 256
+    limits: RequestLimits = RequestLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,12 +146,13 @@ def parse_request(body: bytes, kind: Kind, ctx: ParseContext) -> CompletionReque
     prompt = _prompt(obj) if kind == "completion" else _messages(obj.get("messages"))
     max_tokens = _max_tokens(obj, ctx.context)
     stream = _bool(obj, "stream")
+    limits = ctx.limits
     return CompletionRequest(
         kind=kind,
         prompt=prompt,
-        config=_generation(obj, max_tokens or ctx.default_max_tokens),
+        config=_generation(obj, kind, max_tokens or ctx.default_max_tokens, limits.max_seconds),
         sampling=_sampling(obj),
-        spec=_speculative(obj.get("speculative"), ctx.default_spec),
+        spec=_speculative(obj.get("speculative"), ctx.default_spec, limits),
         stream=stream,
         include_usage=stream and _include_usage(obj.get("stream_options")),
         max_tokens_given=max_tokens is not None,
@@ -241,7 +258,7 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if not isinstance(m, dict):
         raise APIError(f"{param} must be an object with role and content", param=param)
     role = m.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise APIError(
             f"{param}.role {role!r} is not supported; use one of {', '.join(ROLES)}",
             param=f"{param}.role",
@@ -291,7 +308,9 @@ def _include_usage(options: Any) -> bool:
     return options.get("include_usage", False)
 
 
-def _generation(obj: dict[str, Any], max_tokens: int) -> GenerationConfig:
+def _generation(
+    obj: dict[str, Any], kind: Kind, max_tokens: int, max_seconds: float | None
+) -> GenerationConfig:
     stop = obj.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]
@@ -299,13 +318,47 @@ def _generation(obj: dict[str, Any], max_tokens: int) -> GenerationConfig:
         raise APIError(
             f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop"
         )
+    if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(f"stop strings must be at most {MAX_STOP_CHARS} characters", param="stop")
+    logprobs = _logprobs(obj, kind)
+    ignore_eos, exact = _bool(obj, "ignore_eos"), _bool(obj, "exact")
     try:
         return GenerationConfig(
-            max_new_tokens=max_tokens, stop=tuple(stop), ignore_eos=_bool(obj, "ignore_eos"),
-            exact=_bool(obj, "exact"),
-        )  # fmt: skip
+            max_new_tokens=max_tokens,
+            stop=tuple(stop),
+            ignore_eos=ignore_eos,
+            exact=exact,
+            max_seconds=max_seconds,
+            logprobs=logprobs,
+        )
     except ConfigError as exc:
         raise APIError(str(exc), param="stop") from exc
+
+
+def _logprobs(obj: dict[str, Any], kind: Kind) -> int | None:
+    """How many alternatives per token to report (None: no log-probabilities). Completions
+    take `logprobs: n`; chat takes `logprobs: true` with `top_logprobs: n`."""
+    if kind == "completion":
+        n = obj.get("logprobs", False)
+        if n is False:
+            return None
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS:
+            raise APIError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token), "
+                f"got {n!r}",
+                param="logprobs",
+            )
+        return n
+    wanted = _bool(obj, "logprobs")
+    top = obj.get("top_logprobs", 0)
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS:
+        raise APIError(
+            f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}",
+            param="top_logprobs",
+        )
+    if top and not wanted:
+        raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    return top if wanted else None
 
 
 def _sampling(obj: dict[str, Any]) -> SamplingParams:
@@ -319,10 +372,17 @@ def _sampling(obj: dict[str, Any]) -> SamplingParams:
         raise APIError(str(exc), param=field if field in names else None) from exc
 
 
-def _speculative(obj: Any, default: SpecConfig) -> SpecConfig | None:
+def _speculative(obj: Any, default: SpecConfig, limits: RequestLimits) -> SpecConfig | None:
     """The request's strategy: the server's, with the keys of `obj` replaced."""
     if obj is None:
         return None
+    if limits.fixed_strategy:
+        raise APIError(
+            "this server runs one strategy for every request (it was started with "
+            "--fixed-strategy); leave out speculative",
+            param="speculative",
+            code="unsupported_parameter",
+        )
     if not isinstance(obj, dict):
         raise APIError("speculative must be an object of strategy settings", param="speculative")
     unknown = sorted(set(obj) - set(SPEC_KEYS))
@@ -338,7 +398,29 @@ def _speculative(obj: Any, default: SpecConfig) -> SpecConfig | None:
         check_used(spec.strategy, [key for key in obj if key != "strategy"], REQUEST_WORDING)
     except ConfigError as exc:
         raise APIError(str(exc), param="speculative") from exc
+    _check_limits(spec, default, limits)
     return SpecConfig() if spec.strategy == "ar" else spec
+
+
+def _check_limits(spec: SpecConfig, default: SpecConfig, limits: RequestLimits) -> None:
+    """The server's bounds on a request's strategy: drafted tokens per round (jointly, e.g.
+    forks × depth), and lossy verification only where the server allows it (the server's own
+    strategy is always allowed)."""
+    nodes, how = draft_nodes_bound(spec)
+    allowed = max(limits.max_draft_nodes, draft_nodes_bound(default)[0])
+    if nodes > allowed:
+        raise APIError(
+            f"speculative asks for up to {nodes} drafted tokens per round ({how}); this server "
+            f"allows {allowed} (--max-draft-nodes): ask for fewer",
+            param="speculative",
+        )
+    if spec.lossy_typical and not (limits.allow_lossy or default.lossy_typical):
+        raise APIError(
+            "speculative.lossy_typical changes the output (Medusa's typical acceptance is not "
+            "lossless) and this server keeps every request lossless; start it with "
+            "--allow-lossy to let requests opt in",
+            param="speculative.lossy_typical",
+        )
 
 
 def _check_spec_values(obj: dict[str, Any], default: SpecConfig) -> None:
@@ -408,14 +490,24 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def speculative_stats(spec: SpecConfig, stats: GenerationStats, plain_under_load: bool) -> dict:
+def finish_reason(reason: str) -> str:
+    """OpenAI's finish reason: a request stopped by the server's time limit ("time") reports
+    "length", like any other limit (`speculative.time_limit_reached` says which)."""
+    return "length" if reason == "time" else reason
+
+
+def speculative_stats(
+    spec: SpecConfig, stats: GenerationStats, plain_under_load: bool, reason: str = ""
+) -> dict:
     """The request's decoding figures (the `speculative` object of a response)."""
     speculating = spec.strategy != "ar"
     return {
         "strategy": spec.strategy,
         "drafter": spec.drafter if speculating else None,
         "k": spec.k if speculating else 0,
+        "lossless": not spec.lossy_typical,
         "plain_under_load": plain_under_load,
+        "time_limit_reached": reason == "time",
         "drafted": stats.drafted,
         "accepted": stats.accepted,
         "acceptance_rate": stats.acceptance_rate,
@@ -431,14 +523,49 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
-def choice(kind: Kind, text: str, finish_reason: str | None, chunk: bool) -> dict[str, Any]:
+def choice(
+    kind: Kind,
+    text: str,
+    finish_reason: str | None,
+    chunk: bool,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One element of `choices`: a whole answer, or a streamed delta when `chunk`."""
     out: dict[str, Any] = {"index": 0}
     if kind == "completion":
-        out.update(text=text, logprobs=None)
+        out.update(text=text, logprobs=logprobs)
     elif chunk:
-        out.update(delta={"content": text} if text else {}, logprobs=None)
+        out.update(delta={"content": text} if text else {}, logprobs=logprobs)
     else:
-        out.update(message={"role": "assistant", "content": text}, logprobs=None)
+        out.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
     out["finish_reason"] = finish_reason
     return out
+
+
+def logprobs_body(
+    kind: Kind, entries: list[TokenLogprob], text_of: Callable[[int], str], offset: int = 0
+) -> dict[str, Any]:
+    """OpenAI's `logprobs` object for `entries`: chat's {"content": [{token, logprob, bytes,
+    top_logprobs}]}, or completions' parallel lists (`offset`: characters of text before the
+    first entry, for `text_offset`). Values are the raw log-softmax of the target's logits."""
+    if kind == "chat":
+        return {"content": [_chat_entry(e, text_of) for e in entries], "refusal": None}
+    tokens = [text_of(e.token) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{text_of(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _chat_entry(entry: TokenLogprob, text_of: Callable[[int], str]) -> dict[str, Any]:
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text = text_of(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}

@@ -12,27 +12,42 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
+import math
+import re
 import threading
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.engine.thread import model_thread
 from specfork.errors import PromptError, SpecforkError
 from specfork.server.metrics import ServerMetrics
-from specfork.server.schemas import APIError
+from specfork.server.schemas import APIError, RequestLimits
+from specfork.server.security import LOOPBACK_HOSTS
 
 if TYPE_CHECKING:
     from specfork.engine import GenerationResult
+    from specfork.engine.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
 PLAIN = SpecConfig()
+
+
+class Stream(Protocol):
+    """What the worker needs of a `specfork.engine.TextStream`."""
+
+    result: GenerationResult | None  # set when the generation ends
+    logprobs: list[TokenLogprob] | None  # grows with the output, when asked for
+
+    def rounds(self) -> Iterable[str]:
+        """Each round's new text ("" when none)."""
+        ...
 
 
 class Engine(Protocol):
@@ -40,6 +55,7 @@ class Engine(Protocol):
 
     default_spec: SpecConfig
     context: int
+    tokenizer: Any  # decode([id]) names tokens in log-probabilities
 
     def encode_prompt(self, prompt: object, chat: bool | None = None) -> list[int]: ...
 
@@ -50,7 +66,7 @@ class Engine(Protocol):
         config: GenerationConfig,
         sampling: SamplingParams,
         spec: SpecConfig | None,
-    ) -> Iterable[str]: ...
+    ) -> Stream: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +79,13 @@ class ServerSettings:
     retry_after: int = 1  # seconds, sent with HTTP 429
     default_max_tokens: int = 256
     max_body_bytes: int = 8 * 1024 * 1024
+    api_key: str | None = None  # None: no authentication
+    allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS  # Host header names served ("*": any)
+    max_draft_nodes: int = 256  # tokens a request's strategy may draft per round
+    request_timeout: float | None = 300.0  # seconds of decoding per request (None: no limit)
+    fixed_strategy: bool = False  # refuse per-request `speculative` objects
+    allow_lossy: bool = False  # let requests opt into lossy typical acceptance
+    metrics_prefix: str = "specfork:"  # of the vLLM-named speculative-decoding counters
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -72,6 +95,7 @@ class ServerSettings:
             "retry_after",
             "default_max_tokens",
             "max_body_bytes",
+            "max_draft_nodes",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -79,6 +103,35 @@ class ServerSettings:
         n = self.plain_above_queue
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
             raise SpecforkError(f"plain_above_queue must be an integer >= 0, got {n!r}")
+        self._check_security()
+
+    def _check_security(self) -> None:
+        key, hosts, t = self.api_key, self.allowed_hosts, self.request_timeout
+        if key is not None and (not isinstance(key, str) or not key.strip() or key != key.strip()):
+            raise SpecforkError("the API key must be a non-empty string without outer spaces")
+        if key is not None and not key.isprintable():
+            raise SpecforkError("the API key must be printable text (it travels in a header)")
+        object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower() for h in hosts))
+        if not self.allowed_hosts or any(not h for h in self.allowed_hosts):
+            raise SpecforkError("allowed hosts must be non-empty names (or '*' for any host)")
+        number = isinstance(t, int | float) and not isinstance(t, bool)
+        if t is not None and not (number and math.isfinite(t) and t > 0):
+            raise SpecforkError(f"request_timeout must be a number of seconds > 0, got {t!r}")
+        for name in ("fixed_strategy", "allow_lossy"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecforkError(f"{name} must be true or false")
+        if not re.fullmatch(r"[A-Za-z_:][A-Za-z0-9_:]*|", self.metrics_prefix):
+            raise SpecforkError(
+                f"the metrics prefix {self.metrics_prefix!r} must be letters, digits, _ and :, "
+                "not starting with a digit (e.g. 'specfork:' or 'vllm:')"
+            )
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask for."""
+        return RequestLimits(
+            self.max_draft_nodes, self.fixed_strategy, self.allow_lossy, self.request_timeout
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +140,7 @@ class Event:
 
     kind: Literal["start", "delta", "done", "error"]
     text: str = ""
+    logprobs: list[TokenLogprob] | None = None  # of the tokens emitted since the last delta
     result: GenerationResult | None = None
     spec: SpecConfig | None = None
     plain_under_load: bool = False
@@ -116,13 +170,19 @@ class Job:
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancelled = threading.Event()
+        self.on_cancel: Callable[[Job], None] | None = None  # the worker's: leave the queue
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
     def cancel(self) -> None:
+        """Stop the job: out of the queue at once if it waits, at the next round if it runs."""
+        if self._cancelled.is_set():
+            return
         self._cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel(self)
 
     def emit(self, event: Event) -> None:
         """Hand an event to the job's event loop (from any thread)."""
@@ -133,6 +193,52 @@ class Job:
 
     async def next_event(self) -> Event:
         return await self._events.get()
+
+
+class Full(Exception):
+    """The job queue holds as many jobs as it may."""
+
+
+class JobQueue:
+    """A bounded FIFO of waiting jobs from which a cancelled job is removed at once."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._items: deque[Job | None] = deque()
+        self._ready = threading.Condition()
+
+    def qsize(self) -> int:
+        with self._ready:
+            return sum(item is not None for item in self._items)
+
+    def put_nowait(self, job: Job | None) -> None:
+        """Add a job (None: the worker's stop signal, never refused); Full when full."""
+        with self._ready:
+            if job is not None and sum(i is not None for i in self._items) >= self.maxsize:
+                raise Full
+            self._items.append(job)
+            self._ready.notify()
+
+    def get(self) -> Job | None:
+        with self._ready:
+            while not self._items:
+                self._ready.wait()
+            return self._items.popleft()
+
+    def get_nowait(self) -> Job | None:
+        with self._ready:
+            if not self._items:
+                raise IndexError("the queue is empty")
+            return self._items.popleft()
+
+    def discard(self, job: Job) -> bool:
+        """Take `job` out if it is still waiting; whether it was."""
+        with self._ready:
+            try:
+                self._items.remove(job)
+            except ValueError:
+                return False
+            return True
 
 
 class EngineWorker:
@@ -152,7 +258,7 @@ class EngineWorker:
         self.engine = engine
         self.metrics = metrics
         self.settings = settings
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=settings.queue_size)
+        self._queue = JobQueue(settings.queue_size)
         self._lock = threading.Lock()
         self._stopping = False
         self._current: Job | None = None
@@ -182,13 +288,13 @@ class EngineWorker:
         while True:
             try:
                 job = self._queue.get_nowait()
-            except queue.Empty:
+            except IndexError:
                 break
             if job is not None:
                 job.emit(Event("error", error=APIError("the server is shutting down", status=503)))
         if self._current is not None:
             self._current.cancel()
-        self._queue.put(None)
+        self._queue.put_nowait(None)
         if self._running is not None:
             try:
                 self._running.result(timeout)
@@ -202,9 +308,10 @@ class EngineWorker:
         with self._lock:
             if self._stopping:
                 raise APIError("the server is shutting down", status=503)
+            job.on_cancel = self._left
             try:
                 self._queue.put_nowait(job)
-            except queue.Full:
+            except Full:
                 raise APIError(
                     f"the server is busy ({self.settings.queue_size} requests waiting); "
                     f"retry in {self.settings.retry_after} s",
@@ -212,6 +319,11 @@ class EngineWorker:
                     code="queue_full",
                     retry_after=self.settings.retry_after,
                 ) from None
+
+    def _left(self, job: Job) -> None:
+        """A job cancelled while it waited leaves the queue at once (its place freed)."""
+        if self._queue.discard(job):
+            self.metrics.cancelled.inc()
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -235,7 +347,7 @@ class EngineWorker:
         return spec, False
 
     def _serve(self, job: Job) -> None:
-        if job.cancelled:  # its client left while it waited
+        if job.cancelled:  # its client left as it was taken from the queue
             self.metrics.cancelled.inc()
             return
         started = time.perf_counter()
@@ -261,17 +373,21 @@ class EngineWorker:
         job.emit(Event("done", result=result, spec=spec, plain_under_load=plain))
 
     @staticmethod
-    def _drain(job: Job, stream: Iterable[str]) -> GenerationResult | None:
-        """Run the generation; None when the job was cancelled before its end."""
-        deltas = iter(stream)
+    def _drain(job: Job, stream: Stream) -> GenerationResult | None:
+        """Run the generation; None when the job was cancelled before its end (checked after
+        every round, also while a stop string holds text back)."""
+        deltas = iter(stream.rounds())
+        logprobs, sent = stream.logprobs, 0
         try:
             for text in deltas:
                 if job.cancelled:
                     return None  # no further round runs: the generator is not resumed
-                if job.deltas:
-                    job.emit(Event("delta", text=text))
+                if job.deltas and text:
+                    fresh = None if logprobs is None else logprobs[sent:]
+                    sent += len(fresh or ())
+                    job.emit(Event("delta", text=text, logprobs=fresh))
         finally:
             close = getattr(deltas, "close", None)
             if close is not None:
                 close()
-        return getattr(stream, "result", None)
+        return stream.result

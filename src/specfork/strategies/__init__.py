@@ -41,6 +41,23 @@ def build_strategy(
     return (build_drafter(spec, target) if with_drafter else None), policy
 
 
+def draft_nodes_bound(spec: SpecConfig) -> tuple[int, str]:
+    """The most tokens `spec` may draft in one round (what a drafter grows; a gate may verify
+    fewer), with how that follows from the settings: the work a request can cause per round."""
+    if spec.strategy == "ar":
+        return 0, "plain decoding drafts nothing"
+    if spec.strategy == "speculative":
+        return spec.k, f"k={spec.k}"
+    if spec.strategy == "dspark":
+        return spec.max_k, f"max_k={spec.max_k}"
+    grow = 2 if spec.adapt else 1  # SporkPolicy adapts forks and depth up to twice the setting
+    forks, depth = grow * spec.forks, grow * spec.depth
+    how = f"forks {forks} × depth {depth}" + (" (adapt doubles both)" if spec.adapt else "")
+    if spec.tree == "dynamic":
+        return max(spec.budget, forks * depth), f"budget {spec.budget}, {how}"
+    return forks * depth, how
+
+
 def build_fork_drafter(spec: SpecConfig, target: LoadedModel) -> ForkDrafter:
     """SPORK's tree drafter from the "+"-joined sources of `spec.drafter`."""
     sources = spec.drafter.split("+")
