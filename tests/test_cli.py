@@ -218,6 +218,8 @@ def test_brackets_in_a_path_are_shown_verbatim(
         (["--max-new-tokens", "0"], ["max_new_tokens", ">= 1"]),
         (["-n", "-5"], ["max_new_tokens"]),
         (["--stop", ""], ["stop strings", "non-empty"]),
+        (["--logprobs", "21"], ["logprobs", "[0, 20]"]),
+        (["--max-seconds", "0"], ["max_seconds", "> 0"]),
     ],
 )
 def test_bad_values_fail_before_loading(
@@ -332,6 +334,25 @@ def test_generate_prints_only_the_text(
     assert out == expected + "\n"
     assert "8 new tokens" in err and "finish: length" in err
     assert "float32" in err
+
+
+@pytest.mark.slow
+def test_logprobs_and_time_limit(
+    capsys: pytest.CaptureFixture[str], shared_model: LoadedModel
+) -> None:
+    """--logprobs N prints a table of each token's log-probability and its N alternatives
+    (the library's numbers); --max-seconds ends the output with finish reason time."""
+    code, out, err = _run(capsys, [*BASE, "-n", "4", "--ignore-eos", "--logprobs", "2", PROMPT])
+    assert code == 0, err
+    assert out.strip()  # the text on stdout, the table on stderr
+    config = GenerationConfig(max_new_tokens=4, ignore_eos=True, logprobs=2)
+    result = Generator(shared_model).generate(PROMPT, config=config)
+    assert "log-probabilities" in err
+    for entry in result.logprobs:
+        assert f"{entry.logprob:.4f}" in err
+    limited = [*BASE, "-n", "400", "--ignore-eos", "--max-seconds", "1e-6", PROMPT]
+    code, _, err = _run(capsys, limited)
+    assert code == 0 and "finish: time" in err
 
 
 @pytest.mark.slow

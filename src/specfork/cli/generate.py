@@ -7,10 +7,11 @@ import json
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 
 from specfork.cli.common import (
     add_model_flags,
@@ -27,6 +28,10 @@ from specfork.config import GenerationConfig
 from specfork.engine.stats import GenerationStats
 from specfork.errors import SpecforkError
 from specfork.strategies.policies import make_policy
+
+if TYPE_CHECKING:
+    from specfork.engine.logprobs import TokenLogprob
+    from specfork.loading.tokenizer import Tokenizer
 
 
 def add_parser(sub: Any) -> None:
@@ -54,11 +59,25 @@ def add_parser(sub: Any) -> None:
         help="decode escapes (\\n, \\t, \\uXXXX) in the prompt and --system too",
     )
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    gen.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop decoding after S seconds (finish reason: time)",
+    )
     gen.add_argument("--quiet", "-q", action="store_true", help="no progress or stats on stderr")
     add_sampling_flags(gen)
     add_spec_flags(gen)
     g = gen.add_argument_group("reports")
     g.add_argument("--stats", action="store_true", help="print all request stats to stderr")
+    g.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="print each output token's log-probability and the N most likely tokens (stderr)",
+    )
     g.add_argument(
         "--trace",
         type=Path,
@@ -79,6 +98,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
         stop=stops,
         ignore_eos=args.ignore_eos,
         exact=args.exact,
+        max_seconds=args.max_seconds,
+        logprobs=args.logprobs,
     )
     check_writable(args.trace, "trace file")
     spec = spec_from_args(args, expected_length=args.max_new_tokens)
@@ -106,6 +127,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
             summary = f"{stream.result.stats.summary()} | finish: {stream.result.finish_reason}"
             err.print(f"{model} | {summary}", style="dim", markup=False, highlight=False)
         _report(args, stream.result.stats, err)
+        if stream.result.logprobs is not None:
+            _logprob_table(stream.result.logprobs, loaded.tokenizer, err)
     return 0
 
 
@@ -133,3 +156,18 @@ def _report(args: argparse.Namespace, stats: GenerationStats, err: Console) -> N
                     f.write(json.dumps(record.to_dict()) + "\n")
         except OSError as exc:
             raise SpecforkError(f"cannot write the trace file {args.trace}: {exc}") from exc
+
+
+def _logprob_table(entries: list[TokenLogprob], tokenizer: Tokenizer, err: Console) -> None:
+    """--logprobs N: each output token, its log-probability and the N most likely tokens."""
+    table = Table(title="log-probabilities (raw: before temperature, top-k, top-p)")
+    for column in ("#", "token", "logprob", "most likely"):
+        table.add_column(column, justify="right" if column in ("#", "logprob") else "left")
+
+    def shown(token: int) -> str:
+        return repr(tokenizer.decode([token]))
+
+    for i, entry in enumerate(entries):
+        top = "  ".join(f"{shown(t)} {lp:.3f}" for t, lp in entry.top)
+        table.add_row(str(i), shown(entry.token), f"{entry.logprob:.4f}", top)
+    err.print(table, markup=False, highlight=False)
