@@ -246,3 +246,14 @@ def test_a_policy_that_peeks_at_the_draft_fails_the_same_test() -> None:
     p, q = _bigram(1, 1.5), _bigram(2, 1.5)
     seqs, _ = _speculative_sequences(p, q, n_seq=6000, length=4, cheat=True)
     assert min(_position_pvalue(seqs, p, pos) for pos in range(4)) < 1e-3
+
+
+def test_extreme_thresholds_never_break_the_schedule() -> None:
+    """Finite settings whose arithmetic overflows are refused (weights summing past float's
+    range, high - low infinite); a range narrower than float's resolution still schedules."""
+    for bad in ({"weights": (1.79e308, 1.79e308, 0.0)}, {"low": -1e308, "high": 1e308}):
+        with pytest.raises(ConfigError):
+            SpecConfig("dspark", **bad)
+    policy = DSparkPolicy(SpecConfig("dspark", low=0.0, high=5e-324, min_k=2, max_k=8))
+    assert [policy.schedule(c) for c in (0.0, 1e-300, 1.0)] == [2, 8, 8]
+    assert policy.schedule(float("nan")) == 2

@@ -585,3 +585,16 @@ def test_a_time_limit_ends_the_output_with_reason_time(smollm_f32) -> None:
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ConfigError, match="logprobs"):
             GenerationConfig(logprobs=bad)
+
+
+def test_a_text_far_too_long_for_the_context_is_refused_before_tokenizing(smollm_f32) -> None:
+    """No token stands for more characters than the vocabulary's longest token string, so a
+    text past 4 × context × that many characters cannot fit: refused without tokenizing it."""
+    gen = Generator(smollm_f32, max_context=64)
+    too_long = "a" * (4 * 64 * smollm_f32.tokenizer.max_token_chars + 1)
+    with pytest.raises(PromptError, match="characters"):
+        gen.encode_prompt(too_long, chat=False)
+    with pytest.raises(PromptError, match="characters"):
+        gen.encode_prompt([{"role": "user", "content": too_long}])
+    with pytest.raises(PromptError, match="tokens but the context holds"):  # tokenized: too long
+        gen.generate("word " * 200, chat=False)

@@ -86,3 +86,17 @@ def test_invalid_values_rejected(kwargs):
 
 def test_top_k_minus_one_is_off_as_in_vllm() -> None:
     assert SamplingParams(temperature=1.0, top_k=-1) == SamplingParams(temperature=1.0, top_k=0)
+
+
+def test_temperatures_and_top_p_below_float32s_range_stay_distributions() -> None:
+    """A temperature under 1e-5 is greedy (vLLM's rule: dividing float32 logits by less
+    overflows); a top_p that is 0 in float32 keeps the most likely token."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    for t in (5e-324, 1e-46, 1e-6):
+        assert SamplingParams(temperature=t).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+    for top_p in (5e-324, 1e-46):
+        probs = probabilities(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        assert torch.isfinite(probs).all()
+        assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+        assert torch.allclose(probs.amax(-1), torch.ones(4))

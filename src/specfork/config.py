@@ -161,9 +161,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below GREEDY_BELOW are greedy (as in vLLM): dividing float32 logits by
+        a smaller one overflows, and the distribution is one-hot to float32 precision anyway."""
+        return self.temperature < GREEDY_BELOW
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)
 
 
@@ -359,14 +362,16 @@ class SpecConfig:
             raise ConfigError(f"min_k must be an integer >= 1, got {self.min_k}")
         if not _is_int(self.max_k) or self.max_k < self.min_k:
             raise ConfigError(f"max_k must be an integer >= min_k ({self.min_k}), got {self.max_k}")
-        if not (_is_number(self.low) and _is_number(self.high) and self.low < self.high):
+        low, high = self.low, self.high
+        if not (_is_number(low) and _is_number(high) and low < high and high - low < math.inf):
             raise ConfigError(
                 f"the confidence thresholds need low < high (finite numbers), got low={self.low}, "
                 f"high={self.high}; the defaults are 0.3 and 0.7"
             )
         w = tuple(self.weights) if isinstance(self.weights, (tuple, list)) else (self.weights,)
         object.__setattr__(self, "weights", w)
-        if len(w) != 3 or not all(_is_number(x) and x >= 0 for x in w) or sum(w) <= 0:
+        numbers = len(w) == 3 and all(_is_number(x) and x >= 0 for x in w)
+        if not numbers or not 0 < sum(w) < math.inf:
             raise ConfigError(
                 f"weights must be three numbers >= 0 (top1, margin, EMA) with a positive sum, "
                 f"got {w}; the default is 0.4,0.3,0.3"

@@ -47,7 +47,9 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p."""
     sorted_p, order = probs.sort(dim=-1, descending=True)  # [..., V]
     before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
-    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+    drop = before >= top_p
+    drop[..., 0] = False  # the most likely token always stays (a top_p below float32's range)
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter(-1, order, sorted_p)
 
 

@@ -149,6 +149,8 @@ class Generator:
             messages = list(prompt)
             if not messages:
                 raise PromptError("the message list is empty; give at least one message")
+        contents = (m.get("content", "") if isinstance(m, dict) else "" for m in messages)
+        self._check_prompt_chars(sum(len(str(c)) for c in contents))
         if chat:
             text = tok.apply_chat_template(messages, add_generation_prompt=True)
             return tok.encode(text)  # a BOS the template already wrote is not doubled
@@ -343,6 +345,16 @@ class Generator:
             raise ConfigError(
                 f"k={spec.draft_k} drafts more tokens than the context holds ({self.context}); "
                 "use a k below it (2-8 is typical)"
+            )
+
+    def _check_prompt_chars(self, chars: int) -> None:
+        """Refuse, before tokenizing, a text far too long for the context: no token stands
+        for more than `max_token_chars` characters (4× margin for normalization)."""
+        limit = 4 * self.context * self.tokenizer.max_token_chars
+        if chars > limit:
+            raise PromptError(
+                f"the prompt has {chars} characters, more than a context of {self.context} "
+                "tokens can hold; shorten it"
             )
 
     def _check_prompt(self, ids: list[int]) -> None:

@@ -8,6 +8,7 @@ once and cached (`gguf_tokenizer`); generated ids become text through `stream_de
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -164,6 +165,12 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and ids[:2] == [self.bos_id, self.bos_id]:
             del ids[0]
         return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token's string (byte-level and byte-fallback spellings
+        have at least one character per byte): no token stands for more text than this."""
+        return max(len(t) for t in self._backend.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of ``ids``; special tokens are kept unless ``skip_special_tokens``."""

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specfork.errors import SpecforkError
 from specfork.server import schemas
@@ -193,6 +194,8 @@ class _Handlers:
         except APIError as exc:
             self.metrics_.count_request(endpoint, exc.status)
             return error_response(exc)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            first = None
         if first is None:  # the client went away
             self.metrics_.count_request(endpoint, 499)
             return Response(status_code=499)
@@ -212,7 +215,11 @@ class _Handlers:
         return self.engine.tokenizer.decode([token_id])
 
     async def _body(self, request: Request) -> bytes:
+        """The body, refused (413) as soon as its declared or received size is over the cap."""
         limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(f"the request body is over {limit} bytes", status=413)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -317,7 +324,6 @@ class _EventStream(StreamingResponse):
                 yield "data: [DONE]\n\n"
                 self.final_status = 200
                 return
-
 
     def _logprobs(self, entries: list | None) -> dict[str, Any] | None:
         """The `logprobs` object of a chunk carrying `entries` (None: not asked for)."""

@@ -154,7 +154,7 @@ def parse_request(body: bytes, kind: Kind, ctx: ParseContext) -> CompletionReque
         sampling=_sampling(obj),
         spec=_speculative(obj.get("speculative"), ctx.default_spec, limits),
         stream=stream,
-        include_usage=stream and _include_usage(obj.get("stream_options")),
+        include_usage=_include_usage(obj.get("stream_options")) and stream,
         max_tokens_given=max_tokens is not None,
     )
 
@@ -278,19 +278,22 @@ def _content(content: Any, param: str) -> str:
 
 
 def _max_tokens(obj: dict[str, Any], context: int) -> int | None:
-    name = "max_completion_tokens" if "max_completion_tokens" in obj else "max_tokens"
-    n = obj.get(name)
-    if n is None:
-        return None
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise APIError(f"{name} must be an integer >= 1, got {n!r}", param=name)
-    if n >= context:
-        raise APIError(
-            f"{name}={n} is beyond the context of {context} tokens (prompt included)",
-            param=name,
-            code="context_length_exceeded",
-        )
-    return n
+    """The output budget; chat's `max_completion_tokens` wins over `max_tokens` (both checked)."""
+    chosen = None
+    for name in ("max_tokens", "max_completion_tokens"):
+        n = obj.get(name)
+        if n is None:
+            continue
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise APIError(f"{name} must be an integer >= 1, got {n!r}", param=name)
+        if n >= context:
+            raise APIError(
+                f"{name}={n} is beyond the context of {context} tokens (prompt included)",
+                param=name,
+                code="context_length_exceeded",
+            )
+        chosen = n
+    return chosen
 
 
 def _bool(obj: dict[str, Any], name: str) -> bool:

@@ -128,7 +128,8 @@ class DSparkPolicy:
     def schedule(self, c: float) -> int:
         """K for confidence c: linear from [low, high] onto [min_k, max_k], clamped."""
         s = self.spec
-        k = s.min_k + (s.max_k - s.min_k) * (c - s.low) / (s.high - s.low)
+        frac = min(1.0, max(0.0, (c - s.low) / (s.high - s.low)))  # a NaN (0/0) counts as 0
+        k = s.min_k + (s.max_k - s.min_k) * frac
         return max(s.min_k, min(s.max_k, math.floor(k + 0.5)))  # halves round up
 
     def trace(self) -> dict[str, float | int | bool]:
