@@ -560,6 +560,7 @@ def test_logprobs_are_the_targets_at_each_emitted_token(smollm_f32, spec: SpecCo
     with torch.inference_mode():
         logits = model.extend(ids[:-1], model.new_cache(len(ids) + 8), last_only=False)
     ref = torch.log_softmax(logits[len(result.prompt_ids) - 1 :], dim=-1)  # [T, V]
+    assert "".join(e.text for e in result.logprobs) == result.text  # pieces in context
     for i, entry in enumerate(result.logprobs):
         assert entry.token == result.token_ids[i]
         assert entry.logprob == pytest.approx(float(ref[i, entry.token]), abs=1e-4)

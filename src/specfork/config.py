@@ -206,6 +206,11 @@ class GenerationConfig:
             raise ConfigError(f"stop token ids must be integers >= 0, got {self.stop_token_ids}")
 
 
+def _is_path_source(source: str) -> bool:
+    """`head`, `head:PATH` (a trained draft head) or `model:PATH` (a draft model)."""
+    return source == "head" or source.startswith(("head:", "model:"))
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -216,9 +221,9 @@ def _is_number(x: object) -> bool:
 
 STRATEGIES = ("ar", "speculative", "dspark", "spork")
 TREE_SHAPES = ("forks", "dynamic")
-SPORK_SOURCES = ("recycle", "ngram", "self", "model:PATH")
+SPORK_SOURCES = ("recycle", "ngram", "self", "head[:PATH]", "model:PATH")
 POLICY_NAMES = ("constant", "heuristic", "linear-decay")
-DRAFTERS = ("ngram", "self", "model:PATH")
+DRAFTERS = ("ngram", "self", "head[:PATH]", "model:PATH")
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,12 +324,12 @@ class SpecConfig:
             raise ConfigError(f"drafter must be a string such as 'ngram', got {self.drafter!r}")
         if self.strategy == "spork":
             for source in self.drafter.split("+"):
-                if source not in ("recycle", "ngram", "self") and not source.startswith("model:"):
+                if source not in ("recycle", "ngram", "self") and not _is_path_source(source):
                     raise ConfigError(
                         f"unknown spork drafter {source!r}; use one or more of "
                         f"{', '.join(SPORK_SOURCES)} joined by '+', e.g. recycle+ngram"
                     )
-        elif self.drafter not in ("ngram", "self") and not self.drafter.startswith("model:"):
+        elif self.drafter not in ("ngram", "self") and not _is_path_source(self.drafter):
             hint = " (recycle drafts trees: strategy spork)" if "recycle" in self.drafter else ""
             raise ConfigError(
                 f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}{hint}"

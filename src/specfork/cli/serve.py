@@ -117,8 +117,9 @@ def security_settings(args: argparse.Namespace) -> dict[str, Any]:
         hosts = default_allowed_hosts(args.host)
     if args.host in WILDCARD_BINDS and not args.api_key:
         log.warning(
-            "listening on every interface without an API key: anyone who can reach this "
-            "machine can use the model; set --api-key (Host names served: %s)",
+            "listening on every interface without an API key: only requests naming %s in "
+            "their Host header are answered (remote clients get 400); set --api-key to serve "
+            "them, or --allowed-hosts with the names they use",
             ", ".join(hosts),
         )
     return {

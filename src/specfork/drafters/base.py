@@ -119,11 +119,12 @@ class Feedback:
     """What one target forward taught: sent to the drafter after prefill chunks and rounds.
 
     `committed`: the first `committed` history tokens are final — anything a drafter cached
-    beyond them was rejected. `tokens` [T] are the forward's input rows (a prefill chunk, or
-    the round's root followed by the draft's nodes) and `path` the accepted nodes (empty for
-    prefill). `logits` [T, V] are the target's logits at those rows, present when the drafter
-    `wants_logits`; `hidden` [C, T, D] (float32) the outputs of the target's blocks named by
-    the drafter's `hidden_layers`, in that order, present when it names any.
+    beyond them was rejected. `tokens` [T] are the forward's input rows (a prefill chunk —
+    `prompt` true: every row is history — or the round's root followed by the draft's nodes)
+    and `path` the accepted nodes (empty for prefill). `logits` [T, V] are the target's
+    logits at those rows, present when the drafter `wants_logits`; `hidden` [C, T, D]
+    (float32) the outputs of the target's blocks named by the drafter's `hidden_layers`, in
+    that order, present when it names any.
     """
 
     committed: int
@@ -131,6 +132,13 @@ class Feedback:
     path: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [T, V]
     hidden: torch.Tensor | None = None  # [C, T, D]
+    prompt: bool = False  # the rows are a prompt chunk
+
+    @property
+    def kept_rows(self) -> list[int]:
+        """The rows that became history: every prompt row; a round's root and accepted
+        nodes (row 0 is the root, node n is row n + 1)."""
+        return list(range(len(self.tokens))) if self.prompt else [0, *(1 + n for n in self.path)]
 
 
 class Drafter(Protocol):

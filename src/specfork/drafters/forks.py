@@ -21,6 +21,8 @@ proposal (accept x with probability p(x), else sample from p with x removed).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from specfork.config import SamplingParams
@@ -56,7 +58,9 @@ class ForkDrafter:
         self.chains = chains
         self.name = "+".join([*(["recycle"] if recycle else []), *chains])
         self.wants_logits = recycle or any(c.wants_logits for c in chains.values())
-        self.hidden_layers: tuple[int, ...] = ()
+        # the union of what the sources ask for; each hears its own layers (observe)
+        wanted = (i for c in chains.values() for i in c.hidden_layers)
+        self.hidden_layers: tuple[int, ...] = tuple(dict.fromkeys(wanted))
         # target forwards one level of drafting costs (SporkPolicy's model depth)
         self.cost = sum(c.cost for c in chains.values())
 
@@ -78,7 +82,15 @@ class ForkDrafter:
         if self.table is not None and feedback.logits is not None:
             self.table.update(feedback.tokens, feedback.logits)
         for source in self.chains.values():
-            source.observe(feedback)
+            source.observe(self._own(feedback, source.hidden_layers))
+
+    def _own(self, feedback: Feedback, layers: tuple[int, ...]) -> Feedback:
+        """`feedback` with only the hidden states of `layers` (in their order)."""
+        if feedback.hidden is None or layers == self.hidden_layers:
+            return feedback
+        rows = [self.hidden_layers.index(i) for i in layers]
+        hidden = feedback.hidden[rows] if rows else None
+        return dataclasses.replace(feedback, hidden=hidden)
 
     def propose(
         self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator

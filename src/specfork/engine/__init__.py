@@ -12,7 +12,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -245,7 +245,9 @@ class Generator:
                 stats.new_tokens += used
                 req.history += tokens[:used]
                 if req.logprobs is not None:  # the tokens the output kept (not a stop id)
-                    req.logprobs += req.round_logprobs[: len(out.token_ids) - kept]
+                    fresh = req.round_logprobs[: len(out.token_ids) - kept]
+                    pieces = out.pieces[kept:]
+                    req.logprobs += [replace(e, text=t) for e, t in zip(fresh, pieces, strict=True)]
                 yield out.new_text()
                 if out.done:
                     break
@@ -291,10 +293,13 @@ class Generator:
             return self.model.extend(ids, cache, chunk=chunk)  # [V]
         for i in range(0, len(ids), chunk):
             part = ids[i : i + chunk]
-            logits, hidden = self.model.extend_capturing(part, cache, drafter.hidden_layers)
+            last_only = not drafter.wants_logits  # hidden states alone: no [T, V] logits
+            logits, hidden = self.model.extend_capturing(
+                part, cache, drafter.hidden_layers, last_only=last_only
+            )  # [T or 1, V], [C, T, D]
             rows = torch.tensor(part, device=logits.device)  # [T]
-            wanted = logits if drafter.wants_logits else None  # [T, V]
-            drafter.observe(Feedback(i + len(part), rows, [], wanted, hidden))
+            wanted = None if last_only else logits  # [T, V]
+            drafter.observe(Feedback(i + len(part), rows, [], wanted, hidden, prompt=True))
         return logits[-1]
 
     def _new_gate(self) -> GoodputGate | TreeGate | None:

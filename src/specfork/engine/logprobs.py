@@ -14,19 +14,27 @@ from dataclasses import dataclass
 
 import torch
 
+FLOOR = -9999.0  # the lowest log-probability reported (vLLM's), for -inf and NaN too
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """One emitted token's log-probability and the `n` most likely tokens at its position."""
+    """One emitted token's log-probability and the `n` most likely tokens at its position.
+
+    `text` is the token's piece of the output text as decoded in context (a leading space
+    included; "" for the first bytes of a character that a later token completes).
+    """
 
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+    text: str = ""
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], n: int) -> list[TokenLogprob]:
     """Entries for `tokens` [R] predicted by the rows of `logits` [R, V] (float32)."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    logp = logp.nan_to_num(nan=FLOOR, neginf=FLOOR).clamp(min=FLOOR)  # JSON has no -inf/NaN
     chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0]  # [R]
     top_p, top_i = logp.topk(n, dim=-1) if n else (logp[:, :0], logp[:, :0].long())  # [R, n]
     out = []

@@ -32,6 +32,7 @@ class OutputBuilder:
             self.stop_ids |= set(tokenizer.eos_ids)
         self.decoder = tokenizer.stream_decoder(context=prompt_ids[-8:], skip_special_tokens=True)
         self.token_ids: list[int] = []
+        self.pieces: list[str] = []  # each kept token's text, decoded in context
         self.text = ""
         self.finish_reason: str | None = None
         self._emitted = 0  # characters of self.text already handed to the caller
@@ -58,7 +59,8 @@ class OutputBuilder:
             return
         self.token_ids.append(tok)
         before = len(self.text)
-        self.text += self.decoder.feed(tok)
+        self.pieces.append(self.decoder.feed(tok))
+        self.text += self.pieces[-1]
         if self.config.stop and self._cut_at_stop_string(before):
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.max_tokens:

@@ -65,17 +65,19 @@ class Steps:
         return self.logits(hidden)
 
     def extend_capturing(
-        self, ids: Sequence[int], cache: KVCache, capture: Sequence[int]
+        self, ids: Sequence[int], cache: KVCache, capture: Sequence[int], last_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Append a chain of tokens in one forward: logits [T, V] of every token and the
-        outputs [C, T, D] of the blocks in `capture` (None if empty)."""
+        """Append a chain of tokens in one forward: logits [T, V] of every token ([1, V], the
+        last, with `last_only`) and the outputs [C, T, D] of the blocks in `capture` (None if
+        empty)."""
         dev = self.device  # type: ignore[attr-defined]
         tokens = torch.tensor(ids, device=dev)  # [T]
         positions = torch.arange(cache.length, cache.length + len(ids), device=dev)  # [T]
         hidden, captured = self.forward_capturing(  # type: ignore[attr-defined]
             tokens[None], positions, cache, capture=capture
         )
-        return self.logits(hidden[0]), captured
+        rows = hidden[0, -1:] if last_only else hidden[0]  # [1 or T, D]
+        return self.logits(rows), captured
 
 
 class DecoderLM(Steps, nn.Module):
@@ -146,6 +148,10 @@ class DecoderLM(Steps, nn.Module):
         cache.commit_pending()
         captured = torch.stack([states[i] for i in capture]) if capture else None  # [C, BT, D]
         return h, captured
+
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [T, D] (float32) of tokens [T], as the forward's first step."""
+        return self.embed(tokens[None])[0].float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [..., D] → float32 logits [..., V]."""

@@ -111,6 +111,10 @@ class FastLM(Steps):
         cache.commit_pending()
         return hidden[None], captured  # [1, T, D], [C, T, D]
 
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [T, D] (float32) of tokens [T], as the forward's first step."""
+        return self.core.embed_tokens(tokens)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [..., D] → float32 logits [..., V]."""
         shape = hidden.shape[:-1]

@@ -67,7 +67,14 @@ def create_app(
         yield
         await run_in_threadpool(worker.stop)
 
-    app = FastAPI(title="specfork", version=_version(), lifespan=lifespan)
+    app = FastAPI(  # no /docs, /redoc, /openapi.json: nothing is served that the guard skips
+        title="specfork",
+        version=_version(),
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.add_middleware(Guard, api_key=config.api_key, allowed_hosts=config.allowed_hosts)
     app.state.worker, app.state.metrics = worker, metrics
     _add_error_handlers(app)
@@ -131,6 +138,7 @@ class _Handlers:
             config.limits,
         )
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}
 
     # -- simple routes --------------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
@@ -211,14 +219,18 @@ class _Handlers:
         return JSONResponse(_whole_body(meta, first, self._token_text))
 
     def _token_text(self, token_id: int) -> str:
-        """A token's own text, as log-probabilities name it."""
-        return self.engine.tokenizer.decode([token_id])
+        """A token's own text, as log-probabilities name alternatives (cached: a response
+        may name thousands)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.engine.tokenizer.decode([token_id])
+        return text
 
     async def _body(self, request: Request) -> bytes:
         """The body, refused (413) as soon as its declared or received size is over the cap."""
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        if declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise APIError(f"the request body is over {limit} bytes", status=413)
         chunks, size = [], 0
         async for chunk in request.stream():

@@ -432,11 +432,11 @@ def _check_spec_values(obj: dict[str, Any], default: SpecConfig) -> None:
     drafter = obj.get("drafter")
     allowed = set(default.drafter.split("+"))
     if isinstance(drafter, str) and any(
-        part.startswith("model:") and part not in allowed for part in drafter.split("+")
+        part.startswith(("model:", "head:")) and part not in allowed for part in drafter.split("+")
     ):
         raise APIError(
-            "a request cannot load a draft model; use drafter ngram or self, or start the "
-            "server with --drafter model:PATH",
+            "a request cannot load a draft model or head from a path; use drafter ngram, self "
+            "or head, or start the server with --drafter model:PATH / head:PATH",
             param="speculative.drafter",
         )
     if obj.get("recycle_prior") is True and not default.recycle_prior:
@@ -550,10 +550,12 @@ def logprobs_body(
 ) -> dict[str, Any]:
     """OpenAI's `logprobs` object for `entries`: chat's {"content": [{token, logprob, bytes,
     top_logprobs}]}, or completions' parallel lists (`offset`: characters of text before the
-    first entry, for `text_offset`). Values are the raw log-softmax of the target's logits."""
+    first entry, for `text_offset`). Values are the raw log-softmax of the target's logits.
+    An emitted token is named by its piece of the output (decoded in context, so the pieces
+    join to the text); an alternative by its own decoding (`text_of`)."""
     if kind == "chat":
         return {"content": [_chat_entry(e, text_of) for e in entries], "refusal": None}
-    tokens = [text_of(e.token) for e in entries]
+    tokens = [e.text for e in entries]
     offsets = []
     for t in tokens:
         offsets.append(offset)
@@ -567,8 +569,8 @@ def logprobs_body(
 
 
 def _chat_entry(entry: TokenLogprob, text_of: Callable[[int], str]) -> dict[str, Any]:
-    def one(token: int, logprob: float) -> dict[str, Any]:
-        text = text_of(token)
+    def one(text: str, logprob: float) -> dict[str, Any]:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {**one(entry.token, entry.logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top]}
+    top = [one(text_of(t), lp) for t, lp in entry.top]
+    return {**one(entry.text, entry.logprob), "top_logprobs": top}

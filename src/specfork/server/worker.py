@@ -28,7 +28,7 @@ from specfork.engine.thread import model_thread
 from specfork.errors import PromptError, SpecforkError
 from specfork.server.metrics import ServerMetrics
 from specfork.server.schemas import APIError, RequestLimits
-from specfork.server.security import LOOPBACK_HOSTS
+from specfork.server.security import LOOPBACK_HOSTS, host_name
 
 if TYPE_CHECKING:
     from specfork.engine import GenerationResult
@@ -111,7 +111,8 @@ class ServerSettings:
             raise SpecforkError("the API key must be a non-empty string without outer spaces")
         if key is not None and not key.isprintable():
             raise SpecforkError("the API key must be printable text (it travels in a header)")
-        object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower() for h in hosts))
+        names = tuple(h if h == "*" else host_name(h) for h in hosts)  # "[::1]:80" → "::1"
+        object.__setattr__(self, "allowed_hosts", names)
         if not self.allowed_hosts or any(not h for h in self.allowed_hosts):
             raise SpecforkError("allowed hosts must be non-empty names (or '*' for any host)")
         number = isinstance(t, int | float) and not isinstance(t, bool)

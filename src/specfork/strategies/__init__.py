@@ -7,6 +7,7 @@ verifies them losslessly (see `specfork.verify`).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specfork.config import SpecConfig
@@ -91,7 +92,20 @@ def build_drafter(spec: SpecConfig, target: LoadedModel) -> Drafter:
         else:
             layers = parse_layers(spec.self_layers or f"0-{max(0, n_layers // 2 - 1)}", n_layers)
         return ModelDrafter(model, layers=layers, name="self")
+    if spec.drafter == "head" or spec.drafter.startswith("head:"):
+        return _draft_head(spec.drafter.removeprefix("head").removeprefix(":"), target)
     return _draft_model(spec.drafter.removeprefix("model:"), target)
+
+
+def _draft_head(path: str, target: LoadedModel) -> Drafter:
+    """A trained draft head (`specfork train-head`): at `path`, or the one shipped for the
+    target."""
+    from specfork.drafters.head import HeadDrafter
+    from specfork.heads.model import load_head
+    from specfork.heads.packaged import packaged_head
+
+    folder = Path(path) if path else packaged_head(target)
+    return HeadDrafter(load_head(folder, target.model.config), target.model)
 
 
 def _draft_model(name_or_path: str, target: LoadedModel) -> Drafter:

@@ -309,6 +309,15 @@ class FastModel {
     return out;
   }
 
+  // tokens [T] int64 → their input embeddings [T, hidden] float32 (scaled as the forward does)
+  torch::Tensor embed_tokens(torch::Tensor tokens) {
+    check(embed_ != nullptr, "the model is not complete");
+    auto tok = tokens.to(torch::kInt64).contiguous();
+    torch::Tensor out = torch::empty({tok.numel(), hidden_}, torch::kFloat32);
+    embed(tok.data_ptr<int64_t>(), tok.numel(), out.data_ptr<float>());
+    return out;
+  }
+
   // hidden [T, hidden] float → float32 logits [T, V]
   torch::Tensor logits(torch::Tensor hidden) {
     auto x = hidden.to(torch::kFloat32).contiguous().view({-1, hidden_});
@@ -498,6 +507,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &sf::FastModel::add_layer)
       .def("forward", &sf::FastModel::forward, py::call_guard<py::gil_scoped_release>())
       .def("logits", &sf::FastModel::logits, py::call_guard<py::gil_scoped_release>())
+      .def("embed_tokens", &sf::FastModel::embed_tokens)
       .def_property_readonly("num_layers", &sf::FastModel::num_layers);
   m.def("packed_linear", &sf::packed_linear, py::call_guard<py::gil_scoped_release>());
   m.def("unpack", &sf::unpack);

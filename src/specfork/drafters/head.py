@@ -1,0 +1,256 @@
+"""Drafting with a trained head over the target's own features (`specfork.heads`).
+
+The drafter asks the engine for the target's feature blocks (`hidden_layers`): every
+verification forward and every prompt chunk hands them over in `Feedback.hidden`, so the head
+never runs the target. Its own KV cache holds one row per committed position, filled teacher-
+forced from those features; each round it catches up on the newly committed positions (one
+small forward), then grows a chain or a tree, each node's row fed the head's output at its
+parent. Draft rows are dropped from the cache after the proposal. The head's logits cover a
+reduced draft vocabulary; `d2t` places them in the target's (other tokens get probability 0, so a
+sampled q stays a true distribution and verification stays lossless).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specfork.config import SamplingParams
+from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback
+from specfork.heads.model import DraftHead
+from specfork.models.base import DecoderLM
+from specfork.sampling import probabilities, sample
+from specfork.tree import Tree
+
+
+@dataclass
+class _Grown:
+    """The nodes drafted this round: parent, token, depth, cache slot and output per node;
+    `root` is the head's output at the last committed position (the parent of depth 1)."""
+
+    root: torch.Tensor
+    prefix: int  # cache slots of committed positions; draft rows follow
+    slot: dict[int, int] = field(default_factory=dict)
+    parent: list[int] = field(default_factory=list)
+    token: list[int] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)
+    score: list[float] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)  # g [D] per node
+
+    def ancestors(self, node: int) -> list[int]:
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parent[node]
+        return path
+
+    def tree(self) -> Tree:
+        return Tree(self.token, self.parent)
+
+
+class HeadDrafter:
+    """Proposes chains and trees with a `DraftHead` over the target `model`'s features."""
+
+    def __init__(self, head: DraftHead, model: DecoderLM, name: str = "head") -> None:
+        self.head = head
+        self.model = model  # for its input embeddings only
+        self.name = name
+        self.wants_logits = False
+        self.hidden_layers: tuple[int, ...] = tuple(head.config.feature_layers)
+        head_weights = sum(p.numel() for n, p in head.named_parameters())
+        self.cost = head_weights / model.step_weights()  # target forwards one head step costs
+        d = head.config.hidden_size
+        self.features = torch.zeros(0, len(self.hidden_layers) * d)  # [positions, C·D]
+        self.known = 0  # positions whose features arrived
+        c = head.config
+        self.keys = torch.zeros(1, c.num_kv_heads, 0, c.head_dim)  # [1, Hkv, S, hd]
+        self.values = torch.zeros_like(self.keys)
+        self.cached = 0  # positions in the head's cache (teacher forced)
+
+    def begin(self, prompt_ids: list[int]) -> HeadDrafter:
+        """A drafter of its own for one request (features and cache), sharing the head."""
+        return HeadDrafter(self.head, self.model, self.name)
+
+    # -- learning what the target computed --------------------------------------------------------
+    def observe(self, feedback: Feedback) -> None:
+        """Keep the features of the rows that became history; forget everything past
+        `committed`."""
+        self.known = min(self.known, feedback.committed)
+        self.cached = min(self.cached, feedback.committed)
+        if feedback.hidden is None:
+            return
+        kept = feedback.kept_rows
+        first = feedback.committed - len(kept)
+        states = feedback.hidden[:, kept].float()  # [C, R, D]
+        self._grow_features(feedback.committed)
+        self.features[first : feedback.committed] = states.permute(1, 0, 2).flatten(1)  # [R, CD]
+        if first <= self.known:  # no gap: every position up to `committed` is known
+            self.known = feedback.committed
+        self.cached = min(self.cached, first)
+
+    def _grow_features(self, length: int) -> None:
+        size, width = self.features.shape
+        if size < length:
+            grown = torch.zeros(max(length, 2 * size, 256), width)  # [positions, C·D]
+            grown[:size] = self.features
+            self.features = grown
+
+    # -- proposing ---------------------------------------------------------------------------------
+    def propose(
+        self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator
+    ) -> Draft:
+        """A chain, K greedy forks, or an EAGLE-2 dynamic tree (by `shape.kind`), scored by
+        the head's cumulative probabilities."""
+        depth = shape.depth if shape.model_depth is None else min(shape.depth, shape.model_depth)
+        if depth < 1 or self.known < len(history) - 1:
+            return EMPTY_DRAFT  # the target's features of the history are not all here
+        with torch.inference_mode():
+            grown = _Grown(self._catch_up(history), self.cached)
+            try:
+                q = self._grow(grown, shape, depth, sampling, rng)
+            finally:
+                self.cached = grown.prefix  # the draft rows leave the cache
+        if not grown.token:
+            return EMPTY_DRAFT
+        scores = torch.tensor(grown.score, dtype=torch.float64)  # [N]
+        return Draft(grown.tree(), q, scores, max(grown.depth), self.name)
+
+    def _grow(
+        self,
+        grown: _Grown,
+        shape: DraftShape,
+        depth: int,
+        sampling: SamplingParams,
+        rng: torch.Generator,
+    ) -> torch.Tensor | None:
+        """Grow `grown` within the shape; the q [N, V] of a sampled chain (else None)."""
+        logits = self._target_logits(grown.root[None])  # [1, V]
+        if shape.kind == "chain":
+            return self._chain(grown, logits, depth, sampling, rng)
+        branch = max(1, shape.forks)
+        frontier = self._add(grown, [-1], logits, branch)
+        for _ in range(depth - 1):
+            if shape.kind == "dynamic":
+                frontier = sorted(frontier, key=lambda n: -grown.score[n])[:branch]
+                logits = self._expand(grown, frontier)
+                frontier = self._add(grown, frontier, logits, branch)
+            else:  # forks: every fork continues greedily
+                logits = self._expand(grown, frontier)
+                frontier = self._add(grown, frontier, logits, 1)
+        return None
+
+    def _chain(
+        self,
+        grown: _Grown,
+        logits: torch.Tensor,
+        depth: int,
+        sampling: SamplingParams,
+        rng: torch.Generator,
+    ) -> torch.Tensor | None:
+        qs = []
+        node = -1
+        for i in range(depth):
+            if sampling.greedy:
+                node = self._add(grown, [node], logits, 1)[0]
+            else:
+                q = probabilities(logits[0], sampling)  # [V]
+                qs.append(q)
+                token = int(sample(q, rng))
+                score = (grown.score[node] if node >= 0 else 1.0) * float(q[token])
+                node = self._push(grown, node, token, score)
+            if i + 1 < depth:
+                logits = self._expand(grown, [node])
+        return torch.stack(qs) if qs else None
+
+    def _add(self, grown: _Grown, parents: list[int], logits: torch.Tensor, k: int) -> list[int]:
+        """Each parent's k most likely children (logits [P, V]); returns the new nodes."""
+        top = logits.softmax(-1).topk(k, dim=-1)  # [P, k]
+        nodes = []
+        rows = zip(parents, top.indices.tolist(), top.values.tolist(), strict=True)
+        for parent, tokens, qs in rows:
+            base = grown.score[parent] if parent >= 0 else 1.0
+            for token, q in zip(tokens, qs, strict=True):
+                nodes.append(self._push(grown, parent, token, base * q))
+        return nodes
+
+    @staticmethod
+    def _push(grown: _Grown, parent: int, token: int, score: float) -> int:
+        grown.parent.append(parent)
+        grown.token.append(token)
+        grown.depth.append(1 if parent < 0 else grown.depth[parent] + 1)
+        grown.score.append(score)
+        grown.outputs.append(torch.empty(0))  # filled when the node is expanded
+        return len(grown.token) - 1
+
+    # -- the head's forwards ----------------------------------------------------------------
+    def _catch_up(self, history: list[int]) -> torch.Tensor:
+        """Run the head teacher-forced over the committed positions it has not cached (at
+        least the last); returns its output g [D] at the last one."""
+        last = len(history) - 2  # the last position the target ran (history[-1] is the root)
+        start = min(self.cached, max(last, 0))
+        ids = torch.tensor(history[start + 1 : last + 2])  # the token after each position
+        embeds = self.model.embed_rows(ids)[None].to(self.head.fc.weight.dtype)  # [1, T, D]
+        feats = self.head.fuse(self.features[start : last + 1])[None]  # [1, T, D]
+        positions = torch.arange(start, last + 1)  # [T]
+        g = self._rows(embeds, feats, positions, start, None)  # [1, T, D]
+        self.cached = last + 1
+        return g[0, -1]
+
+    def _expand(self, grown: _Grown, nodes: list[int]) -> torch.Tensor:
+        """Run the rows of `nodes` (fed their parents' outputs); their target logits [N, V]."""
+        parents = [grown.parent[n] for n in nodes]
+        feats = torch.stack([grown.root if p < 0 else grown.outputs[p] for p in parents])[None]
+        embeds = self.model.embed_rows(torch.tensor([grown.token[n] for n in nodes]))
+        embeds = embeds[None].to(self.head.fc.weight.dtype)  # [1, N, D]
+        prefix, start = grown.prefix, self.cached
+        positions = torch.tensor([prefix + grown.depth[n] - 1 for n in nodes])  # [N]
+        grown.slot.update({n: start + i for i, n in enumerate(nodes)})
+        mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # [N, S]
+        mask[:, :prefix] = True  # the committed positions
+        for row, n in enumerate(nodes):
+            for a in grown.ancestors(n):  # itself and its drafted ancestors
+                mask[row, grown.slot[a]] = True
+        g = self._rows(embeds, feats, positions, start, mask)[0]  # [N, D]
+        self.cached = start + len(nodes)
+        for row, n in enumerate(nodes):
+            grown.outputs[n] = g[row]
+        return self._target_logits(g)
+
+    def _rows(
+        self,
+        embeds: torch.Tensor,
+        feats: torch.Tensor,
+        positions: torch.Tensor,
+        start: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Rows written to cache slots [start, start + T); outputs g [1, T, D]. `mask` [T, S]
+        (None: causal over the cache)."""
+        head = self.head
+        q, k, v = head.project(embeds, feats, positions)
+        t = q.shape[2]
+        self._ensure_slots(start + t)
+        self.keys[:, :, start : start + t] = k
+        self.values[:, :, start : start + t] = v
+        keys, values = self.keys[:, :, : start + t], self.values[:, :, : start + t]
+        if mask is None:
+            mask = torch.ones(t, start + t, dtype=torch.bool).tril(start)  # [T, S] causal
+        return head.finish(feats, head.attend(q, keys, values, mask))
+
+    def _ensure_slots(self, length: int) -> None:
+        size = self.keys.shape[2]
+        if size < length:
+            grown = max(length, 2 * size, 256)
+            shape = (*self.keys.shape[:2], grown, self.keys.shape[3])
+            keys, values = torch.zeros(shape), torch.zeros(shape)
+            keys[:, :, :size], values[:, :, :size] = self.keys, self.values
+            self.keys, self.values = keys.to(self.keys.dtype), values.to(self.values.dtype)
+
+    def _target_logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Target-vocabulary logits [N, V] of outputs g [N, D]: -inf outside the draft
+        vocabulary."""
+        draft = self.head.logits(g)  # [N, Vd]
+        full = torch.full((g.shape[0], self.head.config.target_vocab), float("-inf"))
+        full[:, self.head.d2t] = draft
+        return full

@@ -1,0 +1,198 @@
+"""Training data for a draft head, made by the target itself.
+
+Each sample is a conversation the target writes: a user turn it samples from its own chat
+template's user prefix (Magpie-style: the template up to where a user's text would start), or a
+prompt from a file the user gives, then its own answer (greedy for even samples, sampled at
+temperature 0.7 for odd ones, so the head sees both). One forward over the whole conversation
+records, per token, what training needs and nothing more:
+
+- the outputs of the target's feature blocks, concatenated [T, C·D], float16 (a few KB a token);
+- the target's `top_k` log-probabilities at every position (indices int32, values float16): the
+  distribution the head learns, without storing full-vocabulary logits.
+
+Samples go to shards of `SHARD` samples (`shard-00000.safetensors`, written atomically), so an
+interrupted run resumes at the first missing shard with the same seed: the same data.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specfork.config import GenerationConfig, SamplingParams
+from specfork.errors import ConfigError
+from specfork.loading.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+SHARD = 16  # samples per shard file
+USER_MARK = "\u2063specfork-user\u2063"  # a string no template contains, cut out of the render
+
+
+@dataclass(frozen=True, slots=True)
+class DataConfig:
+    """How much data to make and how."""
+
+    samples: int = 256
+    answer_tokens: int = 256
+    user_tokens: int = 96  # most tokens of a self-written user turn
+    top_k: int = 20
+    seed: int = 0
+    feature_layers: tuple[int, ...] = ()  # () = the head's default (2, L/2, L-3)
+    prompts: tuple[str, ...] = ()  # user turns to use instead of self-written ones (cycled)
+
+    def __post_init__(self) -> None:
+        for name in ("samples", "answer_tokens", "user_tokens", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
+        object.__setattr__(self, "prompts", tuple(self.prompts))
+
+
+def make_data(
+    loaded: LoadedModel,
+    folder: Path,
+    cfg: DataConfig,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Write (or complete) the data set in `folder`; returns it. `progress(done, total)`."""
+    from specfork.engine import Generator
+    from specfork.heads.model import default_feature_layers
+
+    model_cfg = loaded.model.config
+    layers = cfg.feature_layers or default_feature_layers(model_cfg.num_layers)
+    if any(not 0 <= i < model_cfg.num_layers for i in layers):
+        last = model_cfg.num_layers - 1
+        raise ConfigError(f"feature layers {layers} outside the target's blocks 0-{last}")
+    folder.mkdir(parents=True, exist_ok=True)
+    _check_meta(folder, loaded, cfg, layers)
+    gen = Generator(loaded)
+    shards = -(-cfg.samples // SHARD)
+    for shard in range(shards):
+        path = folder / f"shard-{shard:05d}.safetensors"
+        first, last = shard * SHARD, min(cfg.samples, (shard + 1) * SHARD)
+        if not path.exists():
+            records = [_sample(gen, loaded, cfg, layers, i) for i in range(first, last)]
+            _write_shard(path, records)
+        if progress is not None:
+            progress(last, cfg.samples)
+    return folder
+
+
+def _check_meta(
+    folder: Path, loaded: LoadedModel, cfg: DataConfig, layers: tuple[int, ...]
+) -> None:
+    """Record what the data is; refuse to mix it with data made otherwise."""
+    from specfork.atomic import write_text
+
+    meta = {
+        "target": loaded.path.name,
+        "hidden_size": loaded.model.config.hidden_size,
+        "vocab_size": loaded.model.config.vocab_size,
+        "feature_layers": list(layers),
+        "config": {**asdict(cfg), "samples": None, "feature_layers": list(layers)},
+    }
+    path = folder / "meta.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != meta:
+            raise ConfigError(
+                f"{folder} holds head data made differently ({old['target']}, layers "
+                f"{old['feature_layers']}); use another folder or the same settings"
+            )
+        return
+    write_text(path, json.dumps(meta, indent=1))
+
+
+def _sample(
+    gen: object, loaded: LoadedModel, cfg: DataConfig, layers: tuple[int, ...], i: int
+) -> dict[str, torch.Tensor]:
+    """Sample `i`: a user turn, the target's answer, and its features and top-k."""
+    user = cfg.prompts[i % len(cfg.prompts)] if cfg.prompts else _user_turn(gen, loaded, cfg, i)
+    messages = [{"role": "user", "content": user}]
+    greedy = i % 2 == 0
+    sampling = SamplingParams() if greedy else SamplingParams(temperature=0.7, seed=cfg.seed + i)
+    config = GenerationConfig(max_new_tokens=cfg.answer_tokens)
+    result = gen.generate(messages, config=config, sampling=sampling)  # type: ignore[attr-defined]
+    ids = result.prompt_ids + result.token_ids
+    return record(loaded, ids, layers, cfg.top_k)
+
+
+def _user_turn(gen: object, loaded: LoadedModel, cfg: DataConfig, i: int) -> str:
+    """A user message the target writes after its template's user prefix (Magpie)."""
+    tok = loaded.tokenizer
+    if tok.chat_template is None:
+        raise ConfigError("self-written prompts need a chat template; give a prompt file")
+    text = tok.apply_chat_template([{"role": "user", "content": USER_MARK}])
+    prefix = text[: text.index(USER_MARK)] if USER_MARK in text else text
+    ids = tok.encode(prefix)
+    sampling = SamplingParams(temperature=1.0, top_p=0.95, seed=cfg.seed * 1_000_003 + i)
+    config = GenerationConfig(max_new_tokens=cfg.user_tokens)
+    result = gen.generate(ids, config=config, sampling=sampling)  # type: ignore[attr-defined]
+    return result.text.strip() or "Hello!"
+
+
+def record(
+    loaded: LoadedModel, ids: list[int], layers: tuple[int, ...], top_k: int
+) -> dict[str, torch.Tensor]:
+    """One forward over `ids`: tokens, features [T, C·D] fp16, top-k [T, k] of the target."""
+    model = loaded.model
+    with torch.inference_mode():
+        cache = model.new_cache(len(ids) + 1)
+        tokens = torch.tensor(ids)  # [T]
+        hidden, captured = model.forward_capturing(
+            tokens[None], torch.arange(len(ids)), cache, capture=layers
+        )  # [1, T, D], [C, T, D]
+        logp = torch.log_softmax(model.logits(hidden[0]), dim=-1)  # [T, V]
+        top = logp.topk(top_k, dim=-1)
+    assert captured is not None
+    feats = captured.permute(1, 0, 2).flatten(1)  # [T, C·D]
+    return {
+        "tokens": tokens.int(),
+        "features": feats.half(),
+        "top_index": top.indices.int(),
+        "top_logp": top.values.half(),
+    }
+
+
+def _write_shard(path: Path, records: list[dict[str, torch.Tensor]]) -> None:
+    from safetensors.torch import save_file
+
+    lengths = torch.tensor([len(r["tokens"]) for r in records])
+    tensors = {k: torch.cat([r[k] for r in records]).contiguous() for k in records[0]}
+    tensors["offsets"] = torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0)))
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+
+
+def load_data(folder: Path) -> tuple[dict, list[dict[str, torch.Tensor]]]:
+    """The data set's meta and its samples (each: tokens, features, top_index, top_logp)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        raise ConfigError(f"{folder} holds no head data (meta.json); make it with train-head")
+    meta = json.loads(meta_path.read_text())
+    samples = []
+    for path in sorted(folder.glob("shard-*.safetensors")):
+        try:
+            shard = load_file(str(path))
+        except (SafetensorError, OSError) as exc:
+            raise ConfigError(
+                f"the data shard {path} is corrupt ({exc}); delete it and resume"
+            ) from exc
+        off = shard["offsets"].tolist()
+        for a, b in itertools.pairwise(off):
+            samples.append({k: v[a:b] for k, v in shard.items() if k != "offsets"})
+    if not samples:
+        raise ConfigError(f"{folder} holds no samples yet")
+    return meta, samples

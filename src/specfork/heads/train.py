@@ -1,0 +1,271 @@
+"""Training a draft head on the target's own data (`specfork.heads.data`), on a CPU.
+
+Each optimisation step takes `windows` random windows of `window` tokens from the samples and
+runs the head with **training-time test** (EAGLE-3): step 1 is teacher forced (position i sees
+the target's features f_i and the token x_{i+1}); step s ≥ 2 feeds the head its own step-(s-1)
+output at the same anchor with the token x_{i+s}, at position i+s-1, attending to the teacher-
+forced keys of positions ≤ i and to its own earlier unrolled keys of that anchor — exactly what
+drafting s tokens ahead sees. Every step's prediction is scored against the target's
+distribution at that position (its stored top-k, renormalised over the draft vocabulary) with a
+soft cross-entropy.
+
+The draft vocabulary is the `draft_vocab` most frequent tokens of the data; the LM head starts
+from the target's own rows for them. Checkpoints (`checkpoint.pt`: weights, optimiser, step,
+random states) are written atomically every `checkpoint_every` steps; a run started again with
+the same folder resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specfork.errors import ConfigError
+from specfork.heads.model import DraftHead, HeadConfig, save_head
+from specfork.loading.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """Optimisation settings of `train_head`."""
+
+    steps: int = 2000
+    lr: float = 1e-3
+    window: int = 256  # tokens per window
+    windows: int = 4  # windows per step (gradients accumulated)
+    unroll: int = 3  # training-time test steps
+    draft_vocab: int = 8192
+    seed: int = 0
+    checkpoint_every: int = 100
+
+    def __post_init__(self) -> None:
+        ints = ("steps", "window", "windows", "unroll", "draft_vocab", "checkpoint_every")
+        for name in ints:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.window < self.unroll + 2:
+            raise ConfigError(f"window must be at least unroll + 2 = {self.unroll + 2} tokens")
+        if not (isinstance(self.lr, int | float) and 0 < self.lr < 1):
+            raise ConfigError(f"lr must be in (0, 1), got {self.lr!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    step: int
+    loss: float
+    accuracy: float  # step-1 top-1 agreement with the target
+
+
+def draft_vocabulary(samples: list[dict[str, torch.Tensor]], size: int, vocab: int) -> torch.Tensor:
+    """The `size` most frequent tokens of the data (targets included), sorted: d2t [Vd]."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for s in samples:
+        counts += torch.bincount(s["tokens"].long(), minlength=vocab)[:vocab]
+        counts += torch.bincount(s["top_index"][:, 0].long(), minlength=vocab)[:vocab]
+    size = min(size, vocab)
+    return counts.topk(size).indices.sort().values
+
+
+def train_head(
+    loaded: LoadedModel,
+    samples: list[dict[str, torch.Tensor]],
+    feature_layers: tuple[int, ...],
+    folder: Path,
+    cfg: TrainConfig,
+    progress: Callable[[StepStats], None] | None = None,
+) -> DraftHead:
+    """Train (or resume training) a head; saves it to `folder` and returns it."""
+    model_cfg = loaded.model.config
+    folder.mkdir(parents=True, exist_ok=True)
+    ckpt_path = folder / "checkpoint.pt"
+    state = _load_checkpoint(ckpt_path, cfg)
+    vocab = model_cfg.vocab_size
+    d2t = state["d2t"] if state else draft_vocabulary(samples, cfg.draft_vocab, vocab)
+    head_cfg = HeadConfig.for_target(model_cfg, len(d2t), feature_layers)
+    torch.manual_seed(cfg.seed)
+    head = DraftHead(head_cfg, d2t)
+    if state is None:
+        _init_from_target(head, loaded)
+    t2d = torch.full((vocab,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(len(d2t))
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step, rng = 0, random.Random(cfg.seed)
+    if state is not None:
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+        rng.setstate(state["rng"])
+    usable = [s for s in samples if len(s["tokens"]) >= cfg.unroll + 2]
+    if not usable:
+        raise ConfigError("no sample is long enough to train on")
+    head.train()
+    while step < cfg.steps:
+        for group in opt.param_groups:
+            group["lr"] = _lr(cfg, step)
+        opt.zero_grad()
+        total, correct = 0.0, 0.0
+        for _ in range(cfg.windows):
+            window = _window(usable, cfg.window, rng)
+            loss, acc = unrolled_loss(head, loaded, window, t2d, cfg.unroll)
+            (loss / cfg.windows).backward()
+            total, correct = total + float(loss) / cfg.windows, correct + acc / cfg.windows
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if progress is not None:
+            progress(StepStats(step, total, correct))
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            _save_checkpoint(ckpt_path, head, opt, step, rng, cfg)
+    head.eval()
+    save_head(head, folder)
+    return head
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up over 5% of the steps, then cosine decay to 10%."""
+    warm = max(1, cfg.steps // 20)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
+
+
+def _window(samples: list[dict[str, torch.Tensor]], length: int, rng: random.Random) -> dict:
+    s = samples[rng.randrange(len(samples))]
+    n = len(s["tokens"])
+    start = rng.randrange(0, max(1, n - length + 1))
+    return {k: v[start : start + length] for k, v in s.items()}
+
+
+def unrolled_loss(
+    head: DraftHead, loaded: LoadedModel, window: dict, t2d: torch.Tensor, unroll: int
+) -> tuple[torch.Tensor, float]:
+    """Soft cross-entropy of `unroll` training-time-test steps over one window, and step 1's
+    top-1 agreement with the target."""
+    tokens = window["tokens"].long()  # [W]
+    w = tokens.shape[0]
+    with torch.no_grad():
+        embeds = loaded.model.embed_rows(tokens).float()[None]  # [1, W, D]
+    feats = head.fuse(window["features"].float()[: w - 1])[None]  # [1, T1, D]
+    t1 = w - 1
+    q, k1, v1 = head.project(embeds[:, 1:], feats, torch.arange(t1))
+    g = head.finish(feats, head.attend(q, k1, v1, torch.ones(t1, t1, dtype=torch.bool).tril()))
+    loss, acc = _soft_ce(head, g, window, 1, t2d)
+    losses, unrolled = [loss], []
+    for s in range(2, unroll + 1):
+        n = w - s  # anchors i with a target at position i + s
+        if n < 1:
+            break
+        fin = g[:, :n]
+        q, k, v = head.project(embeds[:, s:], fin, torch.arange(n) + s - 1)
+        unrolled.append((k, v))
+        g = head.finish(fin, _ttt_attention(head, q, k1, v1, unrolled, n))
+        losses.append(_soft_ce(head, g, window, s, t2d)[0])
+    return torch.stack(losses).mean(), acc
+
+
+def _ttt_attention(
+    head: DraftHead,
+    q: torch.Tensor,
+    k1: torch.Tensor,
+    v1: torch.Tensor,
+    unrolled: list[tuple[torch.Tensor, torch.Tensor]],
+    n: int,
+) -> torch.Tensor:
+    """Anchor i attends to teacher-forced keys of positions ≤ i and to its own unrolled keys
+    (one per earlier step, the diagonal): q [1, H, n, hd] → [1, H, n, hd]."""
+    c = head.config
+    rep = c.num_heads // c.num_kv_heads
+    k1, v1 = k1.repeat_interleave(rep, 1), v1.repeat_interleave(rep, 1)  # [1, H, T1, hd]
+    scale = c.head_dim**-0.5
+    s1 = (q @ k1.transpose(-1, -2)) * scale  # [1, H, n, T1]
+    causal = torch.ones(n, k1.shape[2], dtype=torch.bool).tril()  # anchor i: positions ≤ i
+    s1 = s1.masked_fill(~causal, float("-inf"))
+    ks = [k.repeat_interleave(rep, 1)[:, :, :n] for k, _ in unrolled]  # [1, H, n, hd] each
+    vs = [v.repeat_interleave(rep, 1)[:, :, :n] for _, v in unrolled]
+    diag = torch.stack([(q * k).sum(-1) * scale for k in ks], dim=-1)  # [1, H, n, S-1]
+    p = torch.cat((s1, diag), dim=-1).softmax(-1)
+    out = p[..., : s1.shape[-1]] @ v1  # [1, H, n, hd]
+    for j, v in enumerate(vs):
+        out = out + p[..., s1.shape[-1] + j, None] * v
+    return out
+
+
+def _soft_ce(
+    head: DraftHead, g: torch.Tensor, window: dict, step: int, t2d: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """-Σ p log q against the target's top-k at positions step..step+n-1 (over the draft
+    vocabulary), and the top-1 agreement."""
+    n = g.shape[1]
+    idx = t2d[window["top_index"][step : step + n].long()]  # [n, k] draft ids or -1
+    p = window["top_logp"][step : step + n].float().exp() * (idx >= 0)  # [n, k]
+    mass = p.sum(-1, keepdim=True)
+    logq = torch.log_softmax(head.logits(g[0]), dim=-1)  # [n, Vd]
+    picked = logq.gather(-1, idx.clamp(min=0))  # [n, k]
+    rows = mass[:, 0] > 0
+    loss = -((p / mass.clamp(min=1e-12)) * picked).sum(-1)[rows].mean()
+    acc = float((logq.argmax(-1) == idx[:, 0])[rows].float().mean()) if rows.any() else 0.0
+    return loss, acc
+
+
+def _init_from_target(head: DraftHead, loaded: LoadedModel) -> None:
+    """Start the LM head from the target's rows of the draft vocabulary (its logits are linear
+    in the hidden state unless soft-capped, so they are read off identity inputs)."""
+    model = loaded.model
+    if model.config.final_logit_softcapping:
+        return
+    with torch.no_grad():
+        d = model.config.hidden_size
+        weight = model.logits(torch.eye(d)).T  # [V, D]
+        head.lm_head.weight.copy_(weight[head.d2t].float())
+
+
+def _save_checkpoint(
+    path: Path,
+    head: DraftHead,
+    opt: torch.optim.Optimizer,
+    step: int,
+    rng: random.Random,
+    cfg: TrainConfig,
+) -> None:
+    tmp = path.with_suffix(".tmp")
+    state = {
+        "head": head.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": step,
+        "rng": rng.getstate(),
+        "d2t": head.d2t.clone(),
+        "config": asdict(cfg),
+    }
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def _load_checkpoint(path: Path, cfg: TrainConfig) -> dict | None:
+    """A checkpoint to resume from (None if there is none); refused if made with other
+    settings or unreadable."""
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as exc:  # a truncated or foreign file: torch raises several kinds
+        raise ConfigError(
+            f"the checkpoint {path} is unreadable ({exc}); delete it to start over"
+        ) from exc
+    saved = {k: v for k, v in state.get("config", {}).items() if k != "steps"}
+    wanted = {k: v for k, v in asdict(cfg).items() if k != "steps"}
+    if saved != wanted:
+        raise ConfigError(
+            f"the checkpoint {path} was made with other settings ({saved}); resume with them "
+            "or use another folder"
+        )
+    return state
