@@ -16,6 +16,7 @@ interrupted run resumes at the first missing shard with the same seed: the same 
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -78,7 +79,7 @@ def make_data(
     for shard in range(shards):
         path = folder / f"shard-{shard:05d}.safetensors"
         first, last = shard * SHARD, min(cfg.samples, (shard + 1) * SHARD)
-        if not path.exists():
+        if _shard_samples(path) != last - first:  # missing, or made for fewer samples
             records = [_sample(gen, loaded, cfg, layers, i) for i in range(first, last)]
             _write_shard(path, records)
         if progress is not None:
@@ -92,13 +93,16 @@ def _check_meta(
     """Record what the data is; refuse to mix it with data made otherwise."""
     from specfork.atomic import write_text
 
+    settings = {**asdict(cfg), "samples": None, "feature_layers": list(layers), "prompts": None}
+    prompts = hashlib.sha256("\0".join(cfg.prompts).encode()).hexdigest() if cfg.prompts else None
     meta = {
         "target": loaded.path.name,
         "hidden_size": loaded.model.config.hidden_size,
         "vocab_size": loaded.model.config.vocab_size,
         "feature_layers": list(layers),
-        "config": {**asdict(cfg), "samples": None, "feature_layers": list(layers)},
+        "config": {**settings, "prompts_sha256": prompts},
     }
+    meta = json.loads(json.dumps(meta))  # as it reads back
     path = folder / "meta.json"
     if path.exists():
         old = json.loads(path.read_text())
@@ -160,6 +164,19 @@ def record(
         "top_index": top.indices.int(),
         "top_logp": top.values.half(),
     }
+
+
+def _shard_samples(path: Path) -> int:
+    """Samples in a written shard (0 if there is none or it cannot be read)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.exists():
+        return 0
+    try:
+        with safe_open(str(path), "pt") as f:
+            return f.get_slice("offsets").get_shape()[0] - 1
+    except (SafetensorError, OSError):
+        return 0
 
 
 def _write_shard(path: Path, records: list[dict[str, torch.Tensor]]) -> None:

@@ -117,7 +117,7 @@ def train_head(
             window = _window(usable, cfg.window, rng)
             loss, acc = unrolled_loss(head, loaded, window, t2d, cfg.unroll)
             (loss / cfg.windows).backward()
-            total, correct = total + float(loss) / cfg.windows, correct + acc / cfg.windows
+            total, correct = total + float(loss.detach()) / cfg.windows, correct + acc / cfg.windows
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         step += 1

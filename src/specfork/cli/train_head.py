@@ -1,0 +1,133 @@
+"""`specfork train-head`: make the target's own training data, then train a draft head on it.
+
+Both stages resume: data shards already written are kept, and training continues from the
+last checkpoint in the output folder (with the same settings). The result is a folder usable as
+`--drafter head:DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from specfork.cli.common import add_model_flags, model_options
+from specfork.errors import ConfigError
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "train-head", help="train a draft head on the target's own features (resumable)"
+    )
+    add_model_flags(p)
+    p.add_argument("--out", type=Path, required=True, help="folder for the head and checkpoints")
+    p.add_argument("--data", type=Path, default=None, help="data folder (default: OUT/data)")
+    d = p.add_argument_group("data the target makes")
+    d.add_argument("--samples", type=int, default=256, help="conversations to make (256)")
+    d.add_argument("--answer-tokens", type=int, default=256, help="tokens per answer (256)")
+    d.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="user turns to answer instead of self-written ones: JSONL of {'prompt': ...} or "
+        "plain text, one a line (never Spec-Bench data)",
+    )
+    d.add_argument("--layers", default=None, help="feature blocks, e.g. 2,15,27 (EAGLE-3's)")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--window", type=int, default=256, help="tokens per window (256)")
+    t.add_argument("--windows", type=int, default=4, help="windows per step (4)")
+    t.add_argument("--unroll", type=int, default=3, help="training-time-test steps (3)")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (8192)")
+    t.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, err: Console) -> int:
+    from specfork.heads.data import DataConfig, load_data, make_data
+    from specfork.heads.train import TrainConfig, train_head
+    from specfork.loading.loader import load_model
+
+    layers = _layers(args.layers)
+    prompts = _prompts(args.prompts) if args.prompts else ()
+    data_cfg = DataConfig(
+        samples=args.samples,
+        answer_tokens=args.answer_tokens,
+        seed=args.seed,
+        feature_layers=layers,
+        prompts=prompts,
+    )
+    train_cfg = TrainConfig(
+        steps=args.steps,
+        lr=args.lr,
+        window=args.window,
+        windows=args.windows,
+        unroll=args.unroll,
+        draft_vocab=args.draft_vocab,
+        seed=args.seed,
+    )
+    with err.status(f"loading {escape(args.model)}…", spinner="dots"):
+        loaded = load_model(args.model, progress=False, **model_options(args))
+    data_dir = args.data or args.out / "data"
+    t0 = time.perf_counter()
+    with _bar(err) as bar:
+        task = bar.add_task("making data", total=args.samples, info="")
+        make_data(loaded, data_dir, data_cfg, lambda done, _: bar.update(task, completed=done))
+    meta, samples = load_data(data_dir)
+    tokens = sum(len(s["tokens"]) for s in samples)
+    t1 = time.perf_counter()
+    with _bar(err) as bar:
+        task = bar.add_task("training", total=train_cfg.steps, info="")
+
+        def shown(s: Any) -> None:
+            info = f"loss {s.loss:.3f}  top-1 {s.accuracy:.2f}"
+            bar.update(task, completed=s.step, info=info)
+
+        layers = tuple(meta["feature_layers"])
+        head = train_head(loaded, samples, layers, args.out, train_cfg, shown)
+    trained = time.perf_counter() - t1
+    err.print(
+        f"head in {args.out} ({head.size_bytes / 1e6:.1f} MB, draft vocabulary "
+        f"{head.config.draft_vocab}, layers {list(head.config.feature_layers)}); data "
+        f"{len(samples)} samples, {tokens} tokens, {t1 - t0:.0f} s; training {trained:.0f} s. "
+        f"Use it with --drafter head:{args.out}",
+        markup=False,
+        highlight=False,
+    )
+    return 0
+
+
+def _bar(err: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=err,
+        transient=False,
+    )
+
+
+def _layers(text: str | None) -> tuple[int, ...]:
+    if text is None:
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--layers must be block numbers such as 2,15,27, got {text!r}") from None
+
+
+def _prompts(path: Path) -> tuple[str, ...]:
+    from specfork.bench.prompts import load_prompts
+
+    prompts = tuple(p.text for p in load_prompts(path))
+    if not prompts:
+        raise ConfigError(f"{path} holds no prompts")
+    return prompts
