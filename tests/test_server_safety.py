@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -27,7 +28,7 @@ from specfork.server.metrics import ServerMetrics
 from specfork.server.run import serve_in_background
 from specfork.server.security import host_name
 from specfork.server.worker import EngineWorker, Job, ServerSettings
-from test_server import MODEL, FakeEngine, _serve_args
+from test_server import MODEL, FakeEngine, _serve_args, _until
 
 KEY = "sk-test-0123456789"
 PROMPT = "Repeat exactly: one two three, one two three, one two three,"
@@ -327,3 +328,55 @@ def test_no_stall_beyond_the_deadline_for_the_next_client(smollm_f32) -> None:
         assert resp.json()["speculative"]["time_limit_reached"] is True
         nxt = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2}, timeout=120)
         assert nxt.status_code == 200 and nxt.json()["usage"]["completion_tokens"] == 2
+
+
+class SilentEngine(FakeEngine):
+    """Each request runs rounds that show no text (all held back) until it is cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__(SpecConfig(), gated=False)
+        self.rounds = 0
+
+    def stream(self, prompt, *, config, sampling, spec):  # type: ignore[override]
+        engine = self
+
+        class Silent:
+            result = None
+            logprobs = None
+
+            def rounds(self) -> Iterator[str]:
+                while True:
+                    engine.rounds += 1
+                    time.sleep(0.005)
+                    yield ""
+
+        return Silent()
+
+
+def test_a_client_gone_while_text_is_held_back_stops_its_generation() -> None:
+    """Cancellation is checked every round, also rounds that show nothing (a stop string
+    holding text back), so a silent generation does not outlive its client."""
+    engine = SilentEngine()
+    app = create_app(engine, model_name=MODEL)
+    with serve_in_background(app) as url:
+        body = {"prompt": "hi", "max_tokens": 8, "stream": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=1.0)
+        _until(lambda: _cancelled(url) == 1, "the generation to be cancelled")
+        seen = engine.rounds
+        time.sleep(0.2)
+        assert engine.rounds == seen  # no round ran after the cancellation
+
+
+def _cancelled(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    found = re.search(r"^specfork_generations_cancelled_total (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_top_k_minus_one_means_off(guarded: str) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0.7, "seed": 3}
+    off = httpx.post(f"{guarded}/v1/completions", json={**body, "top_k": -1}, headers=_auth())
+    zero = httpx.post(f"{guarded}/v1/completions", json={**body, "top_k": 0}, headers=_auth())
+    assert off.status_code == 200
+    assert off.json()["choices"][0]["text"] == zero.json()["choices"][0]["text"]
