@@ -17,11 +17,11 @@ from specfork.drafters.base import DraftShape, Feedback
 from specfork.drafters.head import HeadDrafter
 from specfork.engine import Generator
 from specfork.errors import ConfigError
-from specfork.heads.data import DataConfig, load_data, make_data
 from specfork.heads.model import load_head
-from specfork.heads.train import TrainConfig, train_head
 from specfork.loading.loader import LoadedModel
 from specfork.sampling import make_generator
+from specfork.tools.head_data import DataConfig, load_data, make_data
+from specfork.tools.head_train import TrainConfig, train_head
 
 pytestmark = pytest.mark.slow  # the real packaged model
 

@@ -50,9 +50,9 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, err: Console) -> int:
-    from specfork.heads.data import DataConfig, load_data, make_data
-    from specfork.heads.train import TrainConfig, train_head
     from specfork.loading.loader import load_model
+    from specfork.tools.head_data import DataConfig, load_data, make_data
+    from specfork.tools.head_train import TrainConfig, train_head
 
     layers = _layers(args.layers)
     prompts = _prompts(args.prompts) if args.prompts else ()

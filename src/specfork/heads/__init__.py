@@ -1,2 +1,3 @@
-"""Trained draft heads: the head model (`model`), the data the target makes for it (`data`),
-its training (`train`), and the heads shipped with specfork (`packaged`)."""
+"""Trained draft heads: the head model (`model`) and the heads shipped with specfork
+(`packaged`). Making their data and training them are tools (`specfork.tools.head_data`,
+`specfork.tools.head_train`), above the engine they use."""

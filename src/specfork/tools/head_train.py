@@ -1,4 +1,4 @@
-"""Training a draft head on the target's own data (`specfork.heads.data`), on a CPU.
+"""Training a draft head on the target's own data (`specfork.tools.head_data`), on a CPU.
 
 Each optimisation step takes `windows` random windows of `window` tokens from the samples and
 runs the head with **training-time test** (EAGLE-3): step 1 is teacher forced (position i sees
