@@ -125,7 +125,7 @@ class HeadDrafter:
         rng: torch.Generator,
     ) -> torch.Tensor | None:
         """Grow `grown` within the shape; the q [N, V] of a sampled chain (else None)."""
-        logits = self._target_logits(grown.root[None])  # [1, V]
+        logits = self.head.logits(grown.root[None])  # [1, Vd]
         if shape.kind == "chain":
             return self._chain(grown, logits, depth, sampling, rng)
         branch = max(1, shape.forks)
@@ -154,7 +154,7 @@ class HeadDrafter:
             if sampling.greedy:
                 node = self._add(grown, [node], logits, 1)[0]
             else:
-                q = probabilities(logits[0], sampling)  # [V]
+                q = probabilities(self._to_target(logits)[0], sampling)  # [V]
                 qs.append(q)
                 token = int(sample(q, rng))
                 score = (grown.score[node] if node >= 0 else 1.0) * float(q[token])
@@ -164,10 +164,11 @@ class HeadDrafter:
         return torch.stack(qs) if qs else None
 
     def _add(self, grown: _Grown, parents: list[int], logits: torch.Tensor, k: int) -> list[int]:
-        """Each parent's k most likely children (logits [P, V]); returns the new nodes."""
-        top = logits.softmax(-1).topk(k, dim=-1)  # [P, k]
+        """Each parent's k most likely children (draft logits [P, Vd]); the new nodes."""
+        top = logits.softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)  # [P, k]
+        tokens = self.head.d2t[top.indices]  # [P, k] target ids
         nodes = []
-        rows = zip(parents, top.indices.tolist(), top.values.tolist(), strict=True)
+        rows = zip(parents, tokens.tolist(), top.values.tolist(), strict=True)
         for parent, tokens, qs in rows:
             base = grown.score[parent] if parent >= 0 else 1.0
             for token, q in zip(tokens, qs, strict=True):
@@ -198,7 +199,7 @@ class HeadDrafter:
         return g[0, -1]
 
     def _expand(self, grown: _Grown, nodes: list[int]) -> torch.Tensor:
-        """Run the rows of `nodes` (fed their parents' outputs); their target logits [N, V]."""
+        """Run the rows of `nodes` (fed their parents' outputs); their draft logits [N, Vd]."""
         parents = [grown.parent[n] for n in nodes]
         feats = torch.stack([grown.root if p < 0 else grown.outputs[p] for p in parents])[None]
         embeds = self.model.embed_rows(torch.tensor([grown.token[n] for n in nodes]))
@@ -215,7 +216,7 @@ class HeadDrafter:
         self.cached = start + len(nodes)
         for row, n in enumerate(nodes):
             grown.outputs[n] = g[row]
-        return self._target_logits(g)
+        return self.head.logits(g)  # [N, Vd]
 
     def _rows(
         self,
@@ -247,10 +248,8 @@ class HeadDrafter:
             keys[:, :, :size], values[:, :, :size] = self.keys, self.values
             self.keys, self.values = keys.to(self.keys.dtype), values.to(self.values.dtype)
 
-    def _target_logits(self, g: torch.Tensor) -> torch.Tensor:
-        """Target-vocabulary logits [N, V] of outputs g [N, D]: -inf outside the draft
-        vocabulary."""
-        draft = self.head.logits(g)  # [N, Vd]
-        full = torch.full((g.shape[0], self.head.config.target_vocab), float("-inf"))
+    def _to_target(self, draft: torch.Tensor) -> torch.Tensor:
+        """Draft logits [N, Vd] placed in the target's vocabulary [N, V] (-inf elsewhere)."""
+        full = torch.full((draft.shape[0], self.head.config.target_vocab), float("-inf"))
         full[:, self.head.d2t] = draft
         return full
