@@ -34,7 +34,7 @@ strategy specs (--strategies, comma-separated, repeatable; the label of each is 
   strategy[:drafter][?key=value&key=value]
   strategy   ar (plain decoding, the reference; added when missing), speculative, the other
              specfork strategies (dspark, spork, ... where installed), or hf (transformers)
-  drafter    ngram, self, model:NAME-or-PATH, or a strategy's own (e.g. recycle+ngram)
+  drafter    ngram, self, head:DIR, model:NAME-or-PATH, or a strategy's own (e.g. recycle+ngram)
   options    any SpecConfig field: {", ".join(valid_options())}
              (values converted to the field's type; tuples as comma lists)
   baselines  {hf} (need transformers; skipped with a note without it);
