@@ -599,3 +599,14 @@ def test_a_text_far_too_long_for_the_context_is_refused_before_tokenizing(smollm
         gen.encode_prompt([{"role": "user", "content": too_long}])
     with pytest.raises(PromptError, match="tokens but the context holds"):  # tokenized: too long
         gen.generate("word " * 200, chat=False)
+
+
+def test_a_caller_between_deltas_is_not_left_in_inference_mode(smollm_f32) -> None:
+    """Inference mode is thread-local: a stream switches it on only while it computes, so
+    code between two deltas (or after abandoning a stream) trains and backpropagates."""
+    stream = Generator(smollm_f32).stream(FRANCE, config=GenerationConfig(max_new_tokens=8))
+    next(iter(stream))
+    assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()
+    w = torch.ones(2, requires_grad=True)
+    (w * 2).sum().backward()
+    assert w.grad is not None

@@ -229,6 +229,8 @@ class Generator:
             self._release_cache(req.cache)
 
     def _decode(self, req: Request) -> Iterator[str | GenerationResult]:
+        """Prefill, then rounds until a stop. Only the computing runs in inference mode: the
+        mode is thread-local, and a caller between two deltas must not find it switched on."""
         stats, out, sampling = req.stats, req.out, req.sampling
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -236,33 +238,40 @@ class Generator:
             stats.prefill_seconds = time.perf_counter() - t0
             tokens = [next_token(logits, sampling, req.rng)]
             req.note_logprobs(logits[None], [0], tokens)
-            stats.time_to_first_token = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            limit = out.config.max_seconds
-            while True:
-                kept = len(out.token_ids)
-                used = out.add(tokens)
-                stats.new_tokens += used
-                req.history += tokens[:used]
-                if req.logprobs is not None:  # the tokens the output kept (not a stop id)
-                    fresh = req.round_logprobs[: len(out.token_ids) - kept]
-                    pieces = out.pieces[kept:]
-                    req.logprobs += [replace(e, text=t) for e, t in zip(fresh, pieces, strict=True)]
-                yield out.new_text()
-                if out.done:
-                    break
-                if req.cache.length >= req.cache.max_len:
-                    out.finish("length")
-                    break
-                if limit is not None and time.perf_counter() - t0 > limit:
-                    out.finish("time")
-                    break
+        stats.time_to_first_token = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        limit = out.config.max_seconds
+        while True:
+            self._take(req, tokens)
+            yield out.new_text()
+            if out.done:
+                break
+            if req.cache.length >= req.cache.max_len:
+                out.finish("length")
+                break
+            if limit is not None and time.perf_counter() - t0 > limit:
+                out.finish("time")
+                break
+            with torch.inference_mode():
                 tokens = run_round(self.model, req)
         stats.decode_seconds = time.perf_counter() - t1
         yield out.new_text()
         ids = req.prompt_ids
         reason = out.finish_reason or "length"
         yield GenerationResult(out.text, out.token_ids, reason, ids, stats, req.logprobs)
+
+    @staticmethod
+    def _take(req: Request, tokens: list[int]) -> None:
+        """A round's tokens into the output (up to a stop), the history and the
+        log-probabilities (of the tokens the output kept: not a stop id)."""
+        out, kept = req.out, len(req.out.token_ids)
+        used = out.add(tokens)
+        req.stats.new_tokens += used
+        req.history += tokens[:used]
+        if req.logprobs is not None:
+            fresh = req.round_logprobs[: len(out.token_ids) - kept]
+            pieces = out.pieces[kept:]
+            req.logprobs += [replace(e, text=t) for e, t in zip(fresh, pieces, strict=True)]
 
     def _new_request(
         self, ids: list[int], config: GenerationConfig, sampling: SamplingParams

@@ -108,6 +108,26 @@ def train_head(
     if not usable:
         raise ConfigError("no sample is long enough to train on")
     head.train()
+    with torch.inference_mode(False), torch.enable_grad():  # whatever mode the caller is in
+        step = _optimise(head, loaded, usable, t2d, opt, step, rng, cfg, ckpt_path, progress)
+    head.eval()
+    save_head(head, folder)
+    return head
+
+
+def _optimise(
+    head: DraftHead,
+    loaded: LoadedModel,
+    usable: list[dict[str, torch.Tensor]],
+    t2d: torch.Tensor,
+    opt: torch.optim.Optimizer,
+    step: int,
+    rng: random.Random,
+    cfg: TrainConfig,
+    ckpt_path: Path,
+    progress: Callable[[StepStats], None] | None,
+) -> int:
+    """Optimisation steps from `step` to `cfg.steps`, checkpointing; returns the last step."""
     while step < cfg.steps:
         for group in opt.param_groups:
             group["lr"] = _lr(cfg, step)
@@ -125,9 +145,7 @@ def train_head(
             progress(StepStats(step, total, correct))
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             _save_checkpoint(ckpt_path, head, opt, step, rng, cfg)
-    head.eval()
-    save_head(head, folder)
-    return head
+    return step
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
