@@ -25,7 +25,9 @@ from specfork.tools.head_train import TrainConfig, train_head
 
 pytestmark = pytest.mark.slow  # the real packaged model
 
-TRAIN = TrainConfig(steps=8, window=48, windows=1, draft_vocab=1024, checkpoint_every=4)
+TRAIN = TrainConfig(
+    steps=8, window=48, windows=1, draft_vocab=1024, checkpoint_every=4, holdout=0.34
+)
 PROMPT = "Count: 1, 2, 3, 4, 5,"
 
 
@@ -74,6 +76,9 @@ def test_training_lowers_the_loss_and_resumes_where_it_stopped(smollm_f32, data,
     whole = train_head(smollm_f32, samples, layers, tmp_path / "a", TRAIN,
                        lambda s: losses.append(s.loss))  # fmt: skip
     assert losses[-1] < losses[0]
+    history = json.loads((tmp_path / "a" / "training.json").read_text())
+    assert [h["step"] for h in history] == [4, 8]  # at every checkpoint
+    assert all(0.0 <= h["held_out"] <= 1.0 for h in history)  # one of 3 samples held out
 
     def interrupt(stats) -> None:
         if stats.step == 6:

@@ -45,6 +45,8 @@ def add_parser(sub: Any) -> None:
     t.add_argument("--windows", type=int, default=4, help="windows per step (4)")
     t.add_argument("--unroll", type=int, default=3, help="training-time-test steps (3)")
     t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (8192)")
+    t.add_argument("--holdout", type=float, default=0.05, help="share held out (0.05)")
+    t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run)
 
@@ -71,6 +73,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
         unroll=args.unroll,
         draft_vocab=args.draft_vocab,
         seed=args.seed,
+        holdout=args.holdout,
+        weight_decay=args.weight_decay,
     )
     with err.status(f"loading {escape(args.model)}…", spinner="dots"):
         loaded = load_model(args.model, progress=False, **model_options(args))
@@ -85,18 +89,25 @@ def run(args: argparse.Namespace, err: Console) -> int:
     with _bar(err) as bar:
         task = bar.add_task("training", total=train_cfg.steps, info="")
 
+        held = {"value": None}
+
         def shown(s: Any) -> None:
+            held["value"] = s.held_out if s.held_out is not None else held["value"]
             info = f"loss {s.loss:.3f}  top-1 {s.accuracy:.2f}"
+            if held["value"] is not None:
+                info += f"  held-out top-1 {held['value']:.2f}"
             bar.update(task, completed=s.step, info=info)
 
         layers = tuple(meta["feature_layers"])
         head = train_head(loaded, samples, layers, args.out, train_cfg, shown)
     trained = time.perf_counter() - t1
+    held_out = held["value"]
+    shown_held = "" if held_out is None else f", held-out top-1 agreement {held_out:.2f}"
     err.print(
         f"head in {args.out} ({head.size_bytes / 1e6:.1f} MB, draft vocabulary "
         f"{head.config.draft_vocab}, layers {list(head.config.feature_layers)}); data "
-        f"{len(samples)} samples, {tokens} tokens, {t1 - t0:.0f} s; training {trained:.0f} s. "
-        f"Use it with --drafter head:{args.out}",
+        f"{len(samples)} samples, {tokens} tokens, {t1 - t0:.0f} s; training {trained:.0f} s"
+        f"{shown_held} (history: training.json). Use it with --drafter head:{args.out}",
         markup=False,
         highlight=False,
     )
