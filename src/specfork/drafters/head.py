@@ -52,14 +52,17 @@ class _Grown:
 class HeadDrafter:
     """Proposes chains and trees with a `DraftHead` over the target `model`'s features."""
 
-    def __init__(self, head: DraftHead, model: DecoderLM, name: str = "head") -> None:
+    def __init__(
+        self, head: DraftHead, model: DecoderLM, name: str = "head", cost: float | None = None
+    ) -> None:
         self.head = head
         self.model = model  # for its input embeddings only
         self.name = name
         self.wants_logits = False
         self.hidden_layers: tuple[int, ...] = tuple(head.config.feature_layers)
-        head_weights = sum(p.numel() for n, p in head.named_parameters())
-        self.cost = head_weights / model.step_weights()  # target forwards one head step costs
+        if cost is None:  # target forwards one head step costs (by weights multiplied)
+            cost = sum(p.numel() for p in head.parameters()) / model.step_weights()
+        self.cost = cost
         d = head.config.hidden_size
         self.features = torch.zeros(0, len(self.hidden_layers) * d)  # [positions, C·D]
         self.known = 0  # positions whose features arrived
@@ -70,7 +73,7 @@ class HeadDrafter:
 
     def begin(self, prompt_ids: list[int]) -> HeadDrafter:
         """A drafter of its own for one request (features and cache), sharing the head."""
-        return HeadDrafter(self.head, self.model, self.name)
+        return HeadDrafter(self.head, self.model, self.name, self.cost)
 
     # -- learning what the target computed --------------------------------------------------------
     def observe(self, feedback: Feedback) -> None:
@@ -244,9 +247,10 @@ class HeadDrafter:
         if size < length:
             grown = max(length, 2 * size, 256)
             shape = (*self.keys.shape[:2], grown, self.keys.shape[3])
-            keys, values = torch.zeros(shape), torch.zeros(shape)
+            keys = torch.zeros(shape, dtype=self.keys.dtype)  # [1, Hkv, S, hd]
+            values = torch.zeros(shape, dtype=self.values.dtype)
             keys[:, :, :size], values[:, :, :size] = self.keys, self.values
-            self.keys, self.values = keys.to(self.keys.dtype), values.to(self.values.dtype)
+            self.keys, self.values = keys, values
 
     def _to_target(self, draft: torch.Tensor) -> torch.Tensor:
         """Draft logits [N, Vd] placed in the target's vocabulary [N, V] (-inf elsewhere)."""

@@ -119,10 +119,11 @@ def _shape(arch: str, hidden: int, vocab: int, layers: int) -> str:
     return f"{arch} ({layers} layers, hidden size {hidden}, vocabulary {vocab})"
 
 
-def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low, middle and high blocks (vLLM's default for Llama targets)."""
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high blocks (vLLM's default for Llama targets), distinct and
+    within the model (fewer for very shallow ones)."""
     low, mid, high = 2, num_layers // 2, num_layers - 3
-    return tuple(sorted({max(0, min(i, num_layers - 1)) for i in (low, mid, high)}))  # type: ignore[return-value]
+    return tuple(sorted({max(0, min(i, num_layers - 1)) for i in (low, mid, high)}))
 
 
 class DraftHead(nn.Module):
