@@ -6,6 +6,7 @@ Heads here are trained for a few steps only: they test the machinery, not the he
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -13,11 +14,12 @@ import pytest
 import torch
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.drafters.base import DraftShape, Feedback
+from specfork.drafters.base import DraftShape, Feedback, StepConfidence
 from specfork.drafters.head import HeadDrafter
 from specfork.engine import Generator
 from specfork.errors import ConfigError
-from specfork.heads.model import load_head
+from specfork.heads.fast import LINEARS, on_kernels
+from specfork.heads.model import load_head, save_head
 from specfork.loading.loader import LoadedModel
 from specfork.sampling import make_generator
 from specfork.tools.head_data import DataConfig, load_data, make_data
@@ -116,28 +118,91 @@ def test_the_head_drafts_in_every_strategy_losslessly(smollm_f32, head_dir, spec
     assert result.stats.drafted > 0
 
 
-def test_a_sampled_head_draft_carries_its_q(smollm_f32, head_dir) -> None:
-    """Sampled drafts come with q over the target's vocabulary: zero outside the draft
-    vocabulary, each row a distribution, each token drawn from its row."""
-    head = load_head(head_dir, smollm_f32.model.config)
-    drafter = HeadDrafter(head, smollm_f32.model)
-    ids = Generator(smollm_f32).encode_prompt(PROMPT)
-    session = drafter.begin(ids)
-    model = smollm_f32.model
+def _session(loaded: LoadedModel, head_dir: Path) -> tuple[HeadDrafter, list[int]]:
+    """A head drafter for one request that has seen PROMPT's features; the history."""
+    head = load_head(head_dir, loaded.model.config)
+    ids = Generator(loaded).encode_prompt(PROMPT)
+    session = HeadDrafter(head, loaded.model).begin(ids)
+    model = loaded.model
     with torch.inference_mode():
         _, hidden = model.extend_capturing(
             ids, model.new_cache(len(ids) + 8), head.config.feature_layers
         )
     session.observe(Feedback(len(ids), torch.tensor(ids), [], None, hidden, prompt=True))
-    history = [*ids, 42]
+    return session, [*ids, 42]
+
+
+def test_a_sampled_head_draft_carries_its_q(smollm_f32, head_dir) -> None:
+    """Sampled drafts come with q over the target's vocabulary: zero outside the draft
+    vocabulary, each row a distribution, each token drawn from its row."""
+    session, history = _session(smollm_f32, head_dir)
+    vocab = smollm_f32.model.config.vocab_size
     sampling = SamplingParams(temperature=0.8, seed=1)
     draft = session.propose(history, DraftShape(3), sampling, make_generator(1))
-    assert draft.q is not None and draft.q.shape == (3, model.config.vocab_size)
+    assert draft.q is not None and draft.q.shape == (3, vocab)
     torch.testing.assert_close(draft.q.sum(-1), torch.ones(3))
-    outside = torch.ones(model.config.vocab_size, dtype=torch.bool)
-    outside[head.d2t] = False
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[session.head.d2t] = False
     assert float(draft.q[:, outside].sum()) == 0.0
     assert all(draft.q[i, t] > 0 for i, t in enumerate(draft.tokens.tolist()))
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)])
+def test_dspark_stops_the_head_chain_by_its_own_confidence(smollm_f32, head_dir, sampling):
+    """DSpark's rule on the head's own top-1 and margin: a chain stops before the first token
+    whose confidence is below `low` (here computed by hand from the head's logits)."""
+    session, history = _session(smollm_f32, head_dir)
+    rng = make_generator(3)
+    full = session.propose(history, DraftShape(5), SamplingParams(), rng)
+    assert len(full.tokens) == 5
+    never = StepConfidence((0.4, 0.3, 0.3), 5.0, ema=0.5, low=1.01)  # C ≤ 1 always
+    always = StepConfidence((0.4, 0.3, 0.3), 5.0, ema=0.5, low=0.0)
+    assert len(session.propose(history, DraftShape(5, confidence=never), sampling, rng)) == 0
+    assert len(session.propose(history, DraftShape(5, confidence=always), sampling, rng)) == 5
+    # a threshold between the confidences of the greedy chain's steps cuts it there
+    greedy = [float(s) for s in full.scores]  # cumulative q of the greedy tokens
+    steps = [greedy[0]] + [b / a for a, b in itertools.pairwise(greedy)]
+    assert all(0 < p <= 1 for p in steps)
+    rule = StepConfidence((1.0, 0.0, 0.0), 5.0, ema=0.5, low=steps[0] - 1e-6)
+    cut = session.propose(history, DraftShape(5, confidence=rule), SamplingParams(), rng)
+    expected = next((i for i, p in enumerate(steps) if p < steps[0] - 1e-6), 5)
+    assert len(cut) == expected and cut.tokens.tolist() == full.tokens[:expected].tolist()
+
+
+@pytest.mark.parametrize(("kind", "tolerance"), [("bf16", 0.01), ("q8", 0.03)])
+def test_a_head_on_the_kernels_computes_what_the_float_head_does(
+    smollm_f32, head_dir, kind, tolerance
+) -> None:
+    kernels = getattr(smollm_f32.model, "kernels", None)
+    if kernels is None:
+        pytest.skip("the kernels are not available here")
+    head = load_head(head_dir, smollm_f32.model.config)
+    fast = on_kernels(head, kernels, kind)
+    torch.manual_seed(0)
+    for name in LINEARS:
+        layer = getattr(head, name)
+        x = torch.randn(3, 5, layer.in_features)  # [B, T, k]
+        want, got = layer(x), getattr(fast, name)(x)
+        assert got.shape == want.shape
+        assert float((got - want).norm() / want.norm()) < tolerance, name
+    features = torch.randn(7, len(head.config.feature_layers) * head.config.hidden_size)
+    want, got = head.logits(head.fuse(features)), fast.logits(fast.fuse(features))
+    assert float((got - want).norm() / want.norm()) < 2 * tolerance
+    with pytest.raises(ValueError, match="kind"):
+        on_kernels(head, kernels, "q3")
+
+
+def test_a_head_saved_in_bf16_is_the_same_head_rounded(smollm_f32, head_dir, tmp_path) -> None:
+    cfg = smollm_f32.model.config
+    head = load_head(head_dir, cfg)
+    save_head(head, tmp_path / "half", torch.bfloat16)
+    half = load_head(tmp_path / "half", cfg)
+    size = (tmp_path / "half" / "head.safetensors").stat().st_size
+    assert size < 0.6 * (head_dir / "head.safetensors").stat().st_size
+    full = head.state_dict()
+    for name, value in half.state_dict().items():
+        want = full[name].to(torch.bfloat16).float() if value.is_floating_point() else full[name]
+        assert value.dtype == full[name].dtype and torch.equal(value, want), name
 
 
 def test_foreign_corrupt_and_missing_heads_are_refused(smollm_f32, head_dir, tmp_path) -> None:

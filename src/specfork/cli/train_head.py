@@ -48,10 +48,18 @@ def add_parser(sub: Any) -> None:
     t.add_argument("--holdout", type=float, default=0.05, help="share held out (0.05)")
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--save-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="precision of the saved head (bfloat16: half the size, as packaged heads ship)",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace, err: Console) -> int:
+    import torch
+
     from specfork.loading.loader import load_model
     from specfork.tools.head_data import DataConfig, load_data, make_data
     from specfork.tools.head_train import TrainConfig, train_head
@@ -99,7 +107,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
             bar.update(task, completed=s.step, info=info)
 
         layers = tuple(meta["feature_layers"])
-        head = train_head(loaded, samples, layers, args.out, train_cfg, shown)
+        save_dtype = getattr(torch, args.save_dtype)
+        head = train_head(loaded, samples, layers, args.out, train_cfg, shown, save_dtype)
     trained = time.perf_counter() - t1
     held_out = held["value"]
     shown_held = "" if held_out is None else f", held-out top-1 agreement {held_out:.2f}"

@@ -22,13 +22,39 @@ SHAPE_KINDS = ("chain", "forks", "dynamic")
 
 
 @dataclass(frozen=True, slots=True)
+class StepConfidence:
+    """DSpark's confidence rule for a drafter that sees its own distribution (a trained head):
+    a chain stops before the token whose confidence
+
+        C = (w_top1·top1 + w_margin·min(margin_scale·margin, 1) + w_ema·ema) / Σw
+
+    is below `low`, with top1 and margin the drafter's own top-1 probability and top-1 − top-2
+    gap at that step and `ema` the request's acceptance EMA. The first token is drafted only if
+    it passes too (a risky round drafts nothing)."""
+
+    weights: tuple[float, float, float]
+    margin_scale: float
+    ema: float
+    low: float
+
+    def value(self, top1: float, margin: float) -> float:
+        w_top1, w_margin, w_ema = self.weights
+        scaled = min(self.margin_scale * margin, 1.0)
+        return (w_top1 * top1 + w_margin * scaled + w_ema * self.ema) / sum(self.weights)
+
+    def keeps(self, top1: float, margin: float) -> bool:
+        return self.value(top1, margin) >= self.low
+
+
+@dataclass(frozen=True, slots=True)
 class DraftShape:
     """What a drafter is asked to grow this round (chosen by the draft policy).
 
     `depth` bounds every path (a chain's length K); a chain drafter reads nothing else. Tree
     drafters read `kind` ("forks": `forks` first tokens, each continued; "dynamic": the
     `budget` best nodes, branching by `forks`), `budget` (most nodes), `tau` (prior-score
-    threshold) and `model_depth` (deepest level a model source drafts; None = depth).
+    threshold) and `model_depth` (deepest level a model source drafts; None = depth). A chain
+    drafter that sees its own distribution may stop early by `confidence` (DSpark's rule).
     """
 
     depth: int
@@ -37,6 +63,7 @@ class DraftShape:
     budget: int | None = None
     tau: float = 0.0
     model_depth: int | None = None
+    confidence: StepConfidence | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in SHAPE_KINDS:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specfork.config import SamplingParams
-from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback
+from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback, StepConfidence
 from specfork.heads.model import DraftHead
 from specfork.models.base import DecoderLM
 from specfork.sampling import probabilities, sample
@@ -49,6 +49,14 @@ class _Grown:
         return Tree(self.token, self.parent)
 
 
+def _confident(q: torch.Tensor | None, logits: torch.Tensor, confidence: StepConfidence) -> bool:
+    """Whether DSpark's rule lets the next token be drafted: the head's own top-1 probability
+    and top-1 − top-2 margin (of q when sampling, else of its draft logits [1, Vd])."""
+    probs = q if q is not None else logits[0].softmax(-1)
+    top = probs.topk(2).values.tolist()
+    return confidence.keeps(top[0], top[0] - top[1])
+
+
 class HeadDrafter:
     """Proposes chains and trees with a `DraftHead` over the target `model`'s features."""
 
@@ -60,9 +68,7 @@ class HeadDrafter:
         self.name = name
         self.wants_logits = False
         self.hidden_layers: tuple[int, ...] = tuple(head.config.feature_layers)
-        if cost is None:  # target forwards one head step costs (by weights multiplied)
-            cost = sum(p.numel() for p in head.parameters()) / model.step_weights()
-        self.cost = cost
+        self.cost = self.weights_cost(head, model) if cost is None else cost
         d = head.config.hidden_size
         self.features = torch.zeros(0, len(self.hidden_layers) * d)  # [positions, C·D]
         self.known = 0  # positions whose features arrived
@@ -70,6 +76,11 @@ class HeadDrafter:
         self.keys = torch.zeros(1, c.num_kv_heads, 0, c.head_dim)  # [1, Hkv, S, hd]
         self.values = torch.zeros_like(self.keys)
         self.cached = 0  # positions in the head's cache (teacher forced)
+
+    @staticmethod
+    def weights_cost(head: DraftHead, model: DecoderLM) -> float:
+        """Target forwards one head step costs, by weights multiplied."""
+        return sum(p.numel() for p in head.parameters()) / model.step_weights()
 
     def begin(self, prompt_ids: list[int]) -> HeadDrafter:
         """A drafter of its own for one request (features and cache), sharing the head."""
@@ -130,7 +141,7 @@ class HeadDrafter:
         """Grow `grown` within the shape; the q [N, V] of a sampled chain (else None)."""
         logits = self.head.logits(grown.root[None])  # [1, Vd]
         if shape.kind == "chain":
-            return self._chain(grown, logits, depth, sampling, rng)
+            return self._chain(grown, logits, depth, sampling, rng, shape.confidence)
         branch = max(1, shape.forks)
         frontier = self._add(grown, [-1], logits, branch)
         for _ in range(depth - 1):
@@ -150,15 +161,19 @@ class HeadDrafter:
         depth: int,
         sampling: SamplingParams,
         rng: torch.Generator,
+        confidence: StepConfidence | None,
     ) -> torch.Tensor | None:
+        """A chain of at most `depth` tokens, stopped where `confidence` says so (DSpark)."""
         qs = []
         node = -1
         for i in range(depth):
-            if sampling.greedy:
+            q = None if sampling.greedy else probabilities(self._to_target(logits)[0], sampling)
+            if confidence is not None and not _confident(q, logits, confidence):
+                break
+            if q is None:
                 node = self._add(grown, [node], logits, 1)[0]
             else:
-                q = probabilities(self._to_target(logits)[0], sampling)  # [V]
-                qs.append(q)
+                qs.append(q)  # [V]
                 token = int(sample(q, rng))
                 score = (grown.score[node] if node >= 0 else 1.0) * float(q[token])
                 node = self._push(grown, node, token, score)
@@ -194,7 +209,7 @@ class HeadDrafter:
         last = len(history) - 2  # the last position the target ran (history[-1] is the root)
         start = min(self.cached, max(last, 0))
         ids = torch.tensor(history[start + 1 : last + 2])  # the token after each position
-        embeds = self.model.embed_rows(ids)[None].to(self.head.fc.weight.dtype)  # [1, T, D]
+        embeds = self.model.embed_rows(ids)[None].to(self.head.dtype)  # [1, T, D]
         feats = self.head.fuse(self.features[start : last + 1])[None]  # [1, T, D]
         positions = torch.arange(start, last + 1)  # [T]
         g = self._rows(embeds, feats, positions, start, None)  # [1, T, D]
@@ -206,7 +221,7 @@ class HeadDrafter:
         parents = [grown.parent[n] for n in nodes]
         feats = torch.stack([grown.root if p < 0 else grown.outputs[p] for p in parents])[None]
         embeds = self.model.embed_rows(torch.tensor([grown.token[n] for n in nodes]))
-        embeds = embeds[None].to(self.head.fc.weight.dtype)  # [1, N, D]
+        embeds = embeds[None].to(self.head.dtype)  # [1, N, D]
         prefix, start = grown.prefix, self.cached
         positions = torch.tensor([prefix + grown.depth[n] - 1 for n in nodes])  # [N]
         grown.slot.update({n: start + i for i, n in enumerate(nodes)})

@@ -149,12 +149,17 @@ class DraftHead(nn.Module):
             d2t = torch.arange(cfg.draft_vocab)
         self.register_buffer("d2t", d2t.long().clone(), persistent=True)  # [Vd] target ids
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the head computes in (its norms'; linears may run packed)."""
+        return self.norm.weight.dtype
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's concatenated block outputs [..., C·D] → one feature [..., D]."""
-        return self.fc(features.to(self.fc.weight.dtype))
+        return self.fc(features.to(self.dtype))
 
     def ropes(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary(positions, self.fc.weight.dtype)  # [T, hd] each
+        return self.rotary(positions, self.dtype)  # [T, hd] each
 
     def project(
         self, embeds: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor
@@ -194,17 +199,22 @@ class DraftHead(nn.Module):
 
     @property
     def size_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes of the weights (packed ones included)."""
+        packed = sum(m.packed.nbytes for m in self.modules() if hasattr(m, "packed"))
+        return packed + sum(p.numel() * p.element_size() for p in self.parameters())
 
 
-def save_head(head: DraftHead, folder: Path) -> None:
-    """Write `head.json` (config) and `head.safetensors` (weights, d2t) into `folder`."""
+def save_head(head: DraftHead, folder: Path, dtype: torch.dtype | None = None) -> None:
+    """Write `head.json` (config) and `head.safetensors` (weights in `dtype`, default their
+    own; d2t) into `folder`."""
     from safetensors.torch import save_file
 
     from specfork.atomic import write_text
 
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     tmp = folder / "head.safetensors.tmp"
     save_file(tensors, str(tmp))
     tmp.replace(folder / "head.safetensors")

@@ -1,4 +1,12 @@
-"""Draft heads shipped inside the package, found by the target they were trained for."""
+"""Draft heads shipped inside the package, found by the target they were trained for.
+
+A shipped head lives in `packaged_heads/<model>/` (head.json, head.safetensors in bf16), where
+`<model>` is the packaged model's name (`smollm2-135m-instruct`). It is found for a target whose
+file or folder path names that model, case-insensitively: the packaged GGUF
+(`SmolLM2-135M-Instruct.Q4_1.gguf`), a checkpoint folder `SmolLM2-135M-Instruct/` or a Hugging
+Face cache snapshot of `HuggingFaceTB/SmolLM2-135M-Instruct`; `load_head` then checks that the
+shapes agree.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +21,20 @@ if TYPE_CHECKING:
 PACKAGED = Path(__file__).parent / "packaged_heads"
 
 
+def shipped() -> list[str]:
+    """The models a head ships for."""
+    return sorted(p.name for p in PACKAGED.glob("*") if (p / "head.json").is_file())
+
+
 def packaged_head(target: LoadedModel) -> Path:
-    """The folder of the head shipped for `target` (by its file's stem); ConfigError if none."""
-    name = target.path.stem
-    folder = PACKAGED / name
-    if (folder / "head.json").is_file():
-        return folder
-    shipped = sorted(p.name for p in PACKAGED.glob("*") if (p / "head.json").is_file())
+    """The folder of the head shipped for `target`; ConfigError if none."""
+    where = str(Path(target.path).resolve()).lower()
+    names = shipped()
+    for name in sorted(names, key=len, reverse=True):  # the most specific name first
+        if name.lower() in where:
+            return PACKAGED / name
     raise ConfigError(
-        f"no draft head ships for {name} (shipped: {', '.join(shipped) or 'none yet'}); train "
-        "one with `specfork train-head -m MODEL --out DIR` and use --drafter head:DIR"
+        f"no draft head ships for {Path(target.path).name} (shipped for: "
+        f"{', '.join(names) or 'none yet'}); train one with `specfork train-head -m MODEL "
+        "--out DIR` and use --drafter head:DIR"
     )

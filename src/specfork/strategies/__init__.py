@@ -101,11 +101,17 @@ def _draft_head(path: str, target: LoadedModel) -> Drafter:
     """A trained draft head (`specfork train-head`): at `path`, or the one shipped for the
     target."""
     from specfork.drafters.head import HeadDrafter
+    from specfork.heads.fast import can_pack, on_kernels
     from specfork.heads.model import load_head
     from specfork.heads.packaged import packaged_head
 
     folder = Path(path) if path else packaged_head(target)
-    return HeadDrafter(load_head(folder, target.model.config), target.model)
+    head = load_head(folder, target.model.config)
+    cost = HeadDrafter.weights_cost(head, target.model)
+    kernels = getattr(target.model, "kernels", None)  # a FastLM target runs on the kernels
+    if kernels is not None and can_pack(head):
+        head = on_kernels(head, kernels)
+    return HeadDrafter(head, target.model, cost=cost)
 
 
 def _draft_model(name_or_path: str, target: LoadedModel) -> Drafter:

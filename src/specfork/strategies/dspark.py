@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from specfork.config import SpecConfig
-from specfork.drafters.base import DraftShape
+from specfork.drafters.base import DraftShape, StepConfidence
 from specfork.strategies.policies import RoundInfo
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,11 @@ class DSparkPolicy:
         self.last: dict[str, float | int | bool] = {}
 
     def next_shape(self, generated: int) -> DraftShape:
-        return DraftShape(self.k)
+        """K from the last round's confidence; a drafter with its own distribution also stops
+        early by the same rule applied to its own top-1 and margin, step by step."""
+        s = self.spec
+        ema = EMA_START if self.ema is None else self.ema
+        return DraftShape(self.k, confidence=StepConfidence(s.weights, s.margin_scale, ema, s.low))
 
     @property
     def first_rejection_rate(self) -> float:

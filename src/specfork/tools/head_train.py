@@ -92,8 +92,10 @@ def train_head(
     folder: Path,
     cfg: TrainConfig,
     progress: Callable[[StepStats], None] | None = None,
+    save_dtype: torch.dtype | None = None,
 ) -> DraftHead:
-    """Train (or resume training) a head; saves it to `folder` and returns it.
+    """Train (or resume training) a head; saves it to `folder` (weights in `save_dtype`,
+    default float32) and returns it.
 
     The last `holdout` share of the samples is never trained on: at every checkpoint the
     head's teacher-forced top-1 agreement with the target there is measured, and the history
@@ -122,7 +124,7 @@ def train_head(
     with torch.inference_mode(False), torch.enable_grad():  # whatever mode the caller is in
         trainer.run()
     head.eval()
-    save_head(head, folder)
+    save_head(head, folder, save_dtype)
     return head
 
 
