@@ -185,29 +185,41 @@ def _bigram(seed: int, sharp: float) -> torch.Tensor:
 
 
 def _speculative_sequences(
-    p: torch.Tensor, q: torch.Tensor, n_seq: int, length: int, cheat: bool = False
-) -> tuple[torch.Tensor, set[int]]:
+    p: torch.Tensor,
+    q: torch.Tensor,
+    n_seq: int,
+    length: int,
+    cheat: bool = False,
+    own_confidence: bool = False,
+    low: float = 0.2,
+) -> tuple[torch.Tensor, set]:
     """The engine's loop over a bigram target p and bigram drafter q, K chosen by DSpark.
 
     Returns [n_seq, length] tokens after a fixed start token 0, and the draft lengths used.
     With `cheat` the draft is cut after it was drawn (before the first token with q > p): a
     draft length chosen by looking at the draft, which biases the output and must fail.
+    With `own_confidence` the drafter also stops by the shape's `StepConfidence` on its own q
+    row before each token (what a draft head does under DSpark): allowed, it never looks at
+    the token it would draw nor at p.
     """
     gen = torch.Generator().manual_seed(1234)
-    pol = DSparkPolicy(SpecConfig("dspark", min_k=1, max_k=4, low=0.2, high=0.6))
+    pol = DSparkPolicy(SpecConfig("dspark", min_k=1, max_k=4, low=low, high=low + 0.4))
     out = torch.empty(n_seq, length, dtype=torch.long)
     used: set[int] = set()
     for s in range(n_seq):
         pol.reset()
         seq = [0]
         while len(seq) <= length:
-            k = pol.next_shape(len(seq) - 1).depth
-            used.add(k)
+            shape = pol.next_shape(len(seq) - 1)
+            k = shape.depth
             draft, q_rows = [], []
             for _ in range(k):
                 row = q[(draft or seq)[-1]]
+                if own_confidence and not shape.confidence.allows(row):
+                    break
                 draft.append(int(sample(row, gen)))
                 q_rows.append(row)
+            used.add((k, len(draft)) if own_confidence else k)
             if cheat:  # drop the draft from the first token the target likes less than q
                 ctx = [seq[-1], *draft]
                 cut = next((i for i, x in enumerate(draft) if q_rows[i][x] > p[ctx[i]][x]), k)
@@ -238,6 +250,17 @@ def test_sampling_with_dspark_variable_k_keeps_the_target_distribution() -> None
     p, q = _bigram(1, 1.5), _bigram(2, 1.5)
     seqs, used = _speculative_sequences(p, q, n_seq=6000, length=4)
     assert used == {1, 2, 3, 4}  # K really varied
+    for pos in range(4):
+        assert _position_pvalue(seqs, p, pos) > 1e-3, pos
+
+
+def test_a_drafter_stopping_by_its_own_confidence_keeps_the_target_distribution() -> None:
+    """DSpark's rule applied to the drafter's own q before each token (a draft head's early
+    stop) changes how much is drafted, never the distribution of the output."""
+    p, q = _bigram(1, 1.5), _bigram(2, 3.0)  # a sharp q: some rows pass the rule, some not
+    seqs, used = _speculative_sequences(p, q, 6000, 4, own_confidence=True, low=0.5)
+    stops = {n for k, n in used if n < k}
+    assert len(stops) >= 2 and 0 in stops  # the drafter really stopped early, at varied depths
     for pos in range(4):
         assert _position_pvalue(seqs, p, pos) > 1e-3, pos
 

@@ -45,6 +45,11 @@ class StepConfidence:
     def keeps(self, top1: float, margin: float) -> bool:
         return self.value(top1, margin) >= self.low
 
+    def allows(self, probs: torch.Tensor) -> bool:
+        """Whether the next token may be drafted from the drafter's distribution `probs` [V]."""
+        top = probs.topk(2).values.tolist() if probs.numel() > 1 else [float(probs[0]), 0.0]
+        return self.keeps(top[0], top[0] - top[1])
+
 
 @dataclass(frozen=True, slots=True)
 class DraftShape:

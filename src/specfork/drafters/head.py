@@ -49,14 +49,6 @@ class _Grown:
         return Tree(self.token, self.parent)
 
 
-def _confident(q: torch.Tensor | None, logits: torch.Tensor, confidence: StepConfidence) -> bool:
-    """Whether DSpark's rule lets the next token be drafted: the head's own top-1 probability
-    and top-1 − top-2 margin (of q when sampling, else of its draft logits [1, Vd])."""
-    probs = q if q is not None else logits[0].softmax(-1)
-    top = probs.topk(2).values.tolist()
-    return confidence.keeps(top[0], top[0] - top[1])
-
-
 class HeadDrafter:
     """Proposes chains and trees with a `DraftHead` over the target `model`'s features."""
 
@@ -168,7 +160,8 @@ class HeadDrafter:
         node = -1
         for i in range(depth):
             q = None if sampling.greedy else probabilities(self._to_target(logits)[0], sampling)
-            if confidence is not None and not _confident(q, logits, confidence):
+            probs = q if q is not None else logits[0].softmax(-1)  # [V] or [Vd]
+            if confidence is not None and not confidence.allows(probs):
                 break
             if q is None:
                 node = self._add(grown, [node], logits, 1)[0]

@@ -13,7 +13,14 @@ import torch
 
 from specfork.cache import KVCache
 from specfork.config import SamplingParams
-from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback, chain_draft
+from specfork.drafters.base import (
+    EMPTY_DRAFT,
+    Draft,
+    DraftShape,
+    Feedback,
+    StepConfidence,
+    chain_draft,
+)
 from specfork.errors import ConfigError
 from specfork.models.base import DecoderLM
 from specfork.sampling import probabilities, sample
@@ -74,7 +81,7 @@ class ModelDrafter:
         if depth < 1:
             return EMPTY_DRAFT
         if shape.kind == "chain":
-            return self._chain(history, depth, sampling, rng)
+            return self._chain(history, depth, sampling, rng, shape.confidence)
         if shape.kind == "dynamic":
             tree, scores, n = self.propose_dynamic(history, shape.forks, depth)
         else:
@@ -89,9 +96,15 @@ class ModelDrafter:
         return Draft(tree, None, prior, n, self.name)
 
     def _chain(
-        self, history: list[int], budget: int, sampling: SamplingParams, rng: torch.Generator
+        self,
+        history: list[int],
+        budget: int,
+        sampling: SamplingParams,
+        rng: torch.Generator,
+        confidence: StepConfidence | None = None,
     ) -> Draft:
-        """Catch up on the history not yet in the cache, then draft `budget` tokens."""
+        """Catch up on the history not yet in the cache, then draft `budget` tokens (fewer
+        where `confidence`, DSpark's rule on the draft's own distribution, stops it)."""
         self._ensure_room(len(history) + budget)
         assert self.cache is not None
         budget = min(budget, self.cache.max_len - len(history))
@@ -100,19 +113,27 @@ class ModelDrafter:
         if self.cache.length >= len(history):  # need the last token's logits again
             self.cache.truncate(len(history) - 1)
         logits = self.model.extend(history[self.cache.length :], self.cache, layers=self.layers)
+        forwards = 1
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(budget):
-            if sampling.greedy:
+            q = None if sampling.greedy else probabilities(logits, sampling)  # [V]
+            if confidence is not None and not confidence.allows(
+                logits.float().softmax(-1) if q is None else q
+            ):
+                break
+            if q is None:
                 tokens.append(int(logits.argmax()))
             else:
-                q = probabilities(logits, sampling)  # [V]
                 qs.append(q)
                 tokens.append(int(sample(q, rng)))
             if i + 1 < budget:
                 logits = self.model.extend(tokens[-1:], self.cache, layers=self.layers)
+                forwards += 1
+        if not tokens:
+            return Draft(EMPTY_DRAFT.tree, None, None, forwards, self.name)
         q = torch.stack(qs) if qs else None  # [K, V]
-        return chain_draft(torch.tensor(tokens), q, forwards=budget, source=self.name)
+        return chain_draft(torch.tensor(tokens), q, forwards=forwards, source=self.name)
 
     def propose_forks(
         self, history: list[int], forks: int, depth: int
