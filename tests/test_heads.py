@@ -6,6 +6,7 @@ Heads here are trained for a few steps only: they test the machinery, not the he
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -94,6 +95,10 @@ def test_training_lowers_the_loss_and_resumes_where_it_stopped(smollm_f32, data,
     with pytest.raises(ConfigError, match="other settings"):
         other = TrainConfig(steps=8, window=48, windows=2, draft_vocab=1024)
         train_head(smollm_f32, samples, layers, tmp_path / "b", other)
+    with pytest.raises(ConfigError, match="precision must be one of"):
+        TrainConfig(precision="float8")
+    float32 = TrainConfig(**{**dataclasses.asdict(TRAIN), "precision": "float32"})
+    assert TRAIN.bf16 == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and not float32.bf16
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,13 @@ def add_parser(sub: Any) -> None:
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument(
+        "--precision",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="training products: bfloat16 autocast (weights stay float32) or float32; auto = "
+        "bfloat16 where the CPU has it natively (~1.6x faster here)",
+    )
+    t.add_argument(
         "--save-dtype",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -83,6 +90,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
         seed=args.seed,
         holdout=args.holdout,
         weight_decay=args.weight_decay,
+        precision=args.precision,
     )
     with err.status(f"loading {escape(args.model)}…", spinner="dots"):
         loaded = load_model(args.model, progress=False, **model_options(args))

@@ -35,6 +35,8 @@ from specfork.loading.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
+PRECISIONS = ("auto", "float32", "bfloat16")
+
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
@@ -50,6 +52,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     holdout: float = 0.05  # share of the samples never trained on (held-out agreement)
     weight_decay: float = 0.0
+    precision: str = "auto"  # products: "bfloat16" (autocast), "float32"; auto: bf16 if native
 
     def __post_init__(self) -> None:
         ints = ("steps", "window", "windows", "unroll", "draft_vocab", "checkpoint_every")
@@ -65,6 +68,17 @@ class TrainConfig:
             raise ConfigError(f"holdout must be a share in [0, 0.5), got {self.holdout!r}")
         if not (isinstance(self.weight_decay, int | float) and 0 <= self.weight_decay < 1):
             raise ConfigError(f"weight_decay must be in [0, 1), got {self.weight_decay!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
+            )
+
+    @property
+    def bf16(self) -> bool:
+        """Whether products run in bfloat16 (weights, optimiser and loss stay float32)."""
+        if self.precision == "auto":
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return self.precision == "bfloat16"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +191,8 @@ class _Trainer:
         total, correct = 0.0, 0.0
         for _ in range(cfg.windows):
             window = _window(self.train, cfg.window, self.rng)
-            loss, acc = unrolled_loss(self.head, self.loaded, window, self.t2d, cfg.unroll)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                loss, acc = unrolled_loss(self.head, self.loaded, window, self.t2d, cfg.unroll)
             (loss / cfg.windows).backward()
             total, correct = total + float(loss.detach()) / cfg.windows, correct + acc / cfg.windows
         torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
@@ -191,7 +206,7 @@ class _Trainer:
         if not self.held_out:
             return None
         self.head.eval()
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
             accs = [
                 unrolled_loss(self.head, self.loaded, _first(s, self.cfg.window), self.t2d, 1)[1]
                 for s in self.held_out
@@ -330,8 +345,9 @@ def _load_checkpoint(path: Path, cfg: TrainConfig) -> dict | None:
         raise ConfigError(
             f"the checkpoint {path} is unreadable ({exc}); delete it to start over"
         ) from exc
-    saved = {k: v for k, v in state.get("config", {}).items() if k != "steps"}
-    wanted = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "steps"}
+    free = ("steps", "precision")  # a run may be extended, or resumed in another precision
+    saved = {k: v for k, v in state.get("config", {}).items() if k not in free}
+    wanted = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in free}
     if saved != wanted:
         raise ConfigError(
             f"the checkpoint {path} was made with other settings ({saved}); resume with them "
