@@ -63,6 +63,7 @@ def hub(tiny: Path, tmp_path_factory: pytest.TempPathFactory):
         "tiny-org/tiny-gguf": FakeRepo(files={**ggufs, "README.md": b"# ggufs\n"}),
         "tiny-org/gated": gated,
         "tiny-org/no-weights": FakeRepo(files={"README.md": b"x", "config.json": b"{}"}),
+        "tiny-org/one-gguf": FakeRepo(files={"q/one-Q4_0.gguf": ggufs["tiny-Q8_0.gguf"]}),
     }
     with serve(FakeHub(repos)) as fake:
         yield fake
@@ -229,10 +230,11 @@ def test_bad_hub_ids_are_one_line_errors(hub: FakeHub, tmp_path: Path) -> None:
 
 def test_gguf_repo(hub: FakeHub, tmp_path: Path) -> None:
     env = _env(tmp_path, hub.endpoint)
-    by_quant, by_name, listed = _batch(
+    by_quant, by_name, only, listed = _batch(
         env,
         ["@resolve", "tiny-org/tiny-gguf:q8_0"],
         ["@resolve", "tiny-org/tiny-gguf:tiny-Q4_K_S.gguf"],
+        ["@resolve", "tiny-org/one-gguf"],  # the one GGUF file of a repo needs no :QUANT
         ["models", "--json"],
     )
     path = Path(by_quant["out"].strip())
@@ -241,7 +243,9 @@ def test_gguf_repo(hub: FakeHub, tmp_path: Path) -> None:
     assert Path(by_name["out"].strip()).name == "tiny-Q4_K_S.gguf"
     downloaded = tmp_path / "hf-cache" / "models--tiny-org--tiny-gguf" / "snapshots" / COMMIT
     assert sorted(p.name for p in downloaded.iterdir()) == ["tiny-Q4_K_S.gguf", "tiny-Q8_0.gguf"]
-    (row,) = json.loads(listed["out"])["hub"]
+    assert Path(only["out"].strip()).relative_to(tmp_path).parts[-2:] == ("q", "one-Q4_0.gguf")
+    row, one = json.loads(listed["out"])["hub"]
+    assert one["models"] == ["tiny-org/one-gguf:one-Q4_0.gguf"]
     assert row["kind"] == "gguf"
     assert row["models"] == [
         "tiny-org/tiny-gguf:tiny-Q4_K_S.gguf",
