@@ -244,7 +244,7 @@ def test_gguf_repo(hub: FakeHub, tmp_path: Path) -> None:
     downloaded = tmp_path / "hf-cache" / "models--tiny-org--tiny-gguf" / "snapshots" / COMMIT
     assert sorted(p.name for p in downloaded.iterdir()) == ["tiny-Q4_K_S.gguf", "tiny-Q8_0.gguf"]
     assert Path(only["out"].strip()).relative_to(tmp_path).parts[-2:] == ("q", "one-Q4_0.gguf")
-    row, one = json.loads(listed["out"])["hub"]
+    one, row = json.loads(listed["out"])["hub"]  # sorted by repo id
     assert one["models"] == ["tiny-org/one-gguf:one-Q4_0.gguf"]
     assert row["kind"] == "gguf"
     assert row["models"] == [
