@@ -302,7 +302,7 @@ def test_models_json(capsys: pytest.CaptureFixture[str], empty_cache: Path) -> N
         handle.truncate(gemma.size)
     code, out, err = _run(capsys, ["models", "--json"])
     assert code == 0 and err == ""
-    rows = {row["name"]: row for row in json.loads(out)}
+    rows = {row["name"]: row for row in json.loads(out)["packaged"]}
     assert list(rows) == list(packaged_models())
     assert rows[DEFAULT_MODEL]["default"] is True and rows[DEFAULT_MODEL]["cached"] is False
     assert rows["gemma3-270m"]["default"] is False and rows["gemma3-270m"]["cached"] is True

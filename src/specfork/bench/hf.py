@@ -3,7 +3,9 @@
 They load the same weights as specfork (a GGUF file through ``from_pretrained(gguf_file=...)``
 or the same checkpoint folder), in the same dtype and on the same device, and get the same
 prompt token ids. transformers is imported only when a baseline is built; without it the
-baselines are skipped with a note.
+baselines are skipped with a note. A GGUF target also needs accelerate (transformers reads GGUF
+files through it): ``pip install "specfork[bench]"``; without it the baselines are skipped
+with that command.
 
 Decode tokens/s is measured without trusting transformers' own counters:
 (n − 1) / (t(n tokens) − t(1 token)) on the same prompt, so prefill is excluded; time to first
@@ -23,6 +25,7 @@ import torch
 from specfork.bench.records import BenchStrategy, RunOutput
 from specfork.bench.specs import StrategySpec
 from specfork.config import SamplingParams
+from specfork.extras import MissingDependencyError, require
 
 DEFAULT_PROMPT_LOOKUP = 10  # transformers' documented example value of prompt_lookup_num_tokens
 
@@ -46,7 +49,12 @@ class HFModels:
 
 
 def load_hf_model(path: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> Any:
-    """A transformers causal LM from a .gguf file or a checkpoint folder, in eval mode."""
+    """A transformers causal LM from a .gguf file or a checkpoint folder, in eval mode.
+
+    transformers needs accelerate to read a GGUF file (MissingDependencyError without it).
+    """
+    if not path.is_dir():
+        require("accelerate", "transformers loading a GGUF file")
     import transformers
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -162,6 +170,9 @@ def build_hf_strategy(
         }
         run = hf_runner(model, n, eos_ids, sampling, ignore_eos=ignore_eos, **method_kwargs)
         return BenchStrategy(spec.label, "hf", run, description)
+    except MissingDependencyError as exc:  # not installed: skipped, with the pip command
+        error = f"{spec.label} needs {exc.extra.package}: {exc.extra.command}"
+        return BenchStrategy(spec.label, "hf", None, description, error=error, skipped=True)
     except Exception as exc:
         return BenchStrategy(spec.label, "hf", None, description,
                              error=f"cannot load: {type(exc).__name__}: {exc}")  # fmt: skip

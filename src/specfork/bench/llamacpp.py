@@ -25,6 +25,7 @@ import torch
 from specfork.bench.records import BenchStrategy, RunOutput
 from specfork.bench.specs import StrategySpec
 from specfork.config import SamplingParams
+from specfork.extras import MissingDependencyError, require
 
 DEFAULT_LOOKUP_K = 4
 DEFAULT_LOOKUP_NGRAM = 2
@@ -34,8 +35,10 @@ def llamacpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def _load(path: Path, n_ctx: int, seed: int | None, lookup: dict[str, int] | None) -> Any:
-    from llama_cpp import Llama
+def _load(
+    label: str, path: Path, n_ctx: int, seed: int | None, lookup: dict[str, int] | None
+) -> Any:
+    Llama = require("llama_cpp", label).Llama
 
     kwargs: dict[str, Any] = {}
     if lookup is not None:
@@ -110,10 +113,13 @@ def build_llamacpp_strategy(
             lookup = {"k": spec.options.get("k", DEFAULT_LOOKUP_K),
                       "max_ngram": spec.options.get("max_ngram", DEFAULT_LOOKUP_NGRAM)}  # fmt: skip
             description["lookup"] = lookup
-        llm = _load(target_path, context, sampling.seed, lookup)
+        llm = _load(spec.label, target_path, context, sampling.seed, lookup)
         description["threads"] = torch.get_num_threads()
         run = llamacpp_runner(llm, n, eos_ids, sampling, ignore_eos)
         return BenchStrategy(spec.label, "llamacpp", run, description)
+    except MissingDependencyError as exc:  # not installed (or broken): skipped, with the command
+        return BenchStrategy(spec.label, "llamacpp", None, description, error=str(exc),
+                             skipped=True)  # fmt: skip
     except Exception as exc:
         return BenchStrategy(spec.label, "llamacpp", None, description,
                              error=f"cannot load: {type(exc).__name__}: {exc}")  # fmt: skip

@@ -437,14 +437,16 @@ def _build_llamacpp(
     context: int,
 ) -> BenchStrategy:
     from specfork.bench import llamacpp
+    from specfork.extras import EXTRAS
 
     if not llamacpp.llamacpp_available():
         note = ("llama-cpp-python is not installed: its baselines are skipped "
                 '(pip install "specfork[llamacpp]", see docs/benchmarks.md)')  # fmt: skip
         if note not in notes:
             notes.append(note)
-        return BenchStrategy(spec.label, "llamacpp", None, spec.describe(),
-                             error="llama-cpp-python is not installed", skipped=True)  # fmt: skip
+        error = f"{spec.label} needs llama-cpp-python: {EXTRAS['llama_cpp'].command}"
+        return BenchStrategy(spec.label, "llamacpp", None, spec.describe(), error=error,
+                             skipped=True)  # fmt: skip
     return llamacpp.build_llamacpp_strategy(
         spec, target_path=loaded.path, n=settings.max_new_tokens, context=context,
         eos_ids=loaded.tokenizer.eos_ids, sampling=sampling, ignore_eos=settings.ignore_eos,

@@ -37,7 +37,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--model",
         "-m",
         default=DEFAULT_MODEL,
-        help=f"packaged model name, .gguf file or checkpoint folder ({DEFAULT_MODEL})",
+        help=f"packaged model name ({DEFAULT_MODEL}), .gguf file, checkpoint folder, or "
+        f"Hugging Face Hub id org/name[@revision][:QUANT] (a local path wins)",
     )
     p.add_argument(
         "--dtype",

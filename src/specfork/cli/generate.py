@@ -123,7 +123,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     sys.stdout.flush()
     if stream.result is not None:
         if not args.quiet:
-            model = f"{loaded.path.name} ({loaded.model.describe()})"
+            model = f"{loaded.label} ({loaded.model.describe()})"
             summary = f"{stream.result.stats.summary()} | finish: {stream.result.finish_reason}"
             err.print(f"{model} | {summary}", style="dim", markup=False, highlight=False)
         _report(args, stream.result.stats, err)

@@ -1,6 +1,6 @@
 """The tool commands: `compile` (build the CPU kernels ahead of time), `calibrate` and
 `trace-plot` (DSpark's tuning and inspection), `scan-self` (which layers to self-draft with) and
-`models` (the packaged models and what is cached)."""
+`models` (the packaged models, Hugging Face Hub models in the cache, and what is cached)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,9 @@ def add_parser(sub: Any) -> None:
     plot.add_argument("--out", type=Path, default=None, help="PNG path (default: TRACE.png)")
     plot.set_defaults(run=run_trace_plot)
     _add_scan_parser(sub)
-    models = sub.add_parser("models", help="list packaged models and what is cached")
+    models = sub.add_parser(
+        "models", help="list packaged models, Hub models in the Hugging Face cache, what is cached"
+    )
     models.add_argument("--json", action="store_true", help="machine-readable output")
     models.set_defaults(run=run_models)
 
@@ -102,7 +104,7 @@ def run_compile(args: argparse.Namespace, err: Console) -> int:
         with err.status(f"loading {escape(args.model)}…", spinner="dots"):
             loaded = load_model(args.model, kernels=True, progress=False)
             Generator(loaded).warm_up()
-        err.print(f"{loaded.path.name}: {loaded.model.describe()}", markup=False)
+        err.print(f"{loaded.label}: {loaded.model.describe()}", markup=False)
     return 0
 
 
@@ -231,12 +233,15 @@ def run_scan_self(args: argparse.Namespace, err: Console) -> int:
 
 
 def run_models(args: argparse.Namespace, err: Console) -> int:
+    from specfork.loading.hub import cached_hub_models
     from specfork.loading.registry import model_statuses
 
     statuses = model_statuses()
+    hub = cached_hub_models()
     if args.json:
-        rows = [{**s.__dict__, "path": str(s.path)} for s in statuses]
-        print(json.dumps(rows, indent=2))
+        packaged = [{**s.__dict__, "path": str(s.path)} for s in statuses]
+        cached = [{**h.__dict__, "path": str(h.path), "models": _hub_model_args(h)} for h in hub]
+        print(json.dumps({"packaged": packaged, "hub": cached}, indent=2))
         return 0
     table = Table(title="specfork packaged models")
     for col in ("name", "cached", "size", "license"):
@@ -249,5 +254,39 @@ def run_models(args: argparse.Namespace, err: Console) -> int:
     console.print(table)
     for s in statuses:
         console.print(f"{s.name}: {s.description}\n  {s.path}", highlight=False, markup=False)
-    console.print("Any path to a .gguf file or a Hugging Face checkpoint folder works as --model.")
+    _print_hub_models(console, hub)
+    console.print(
+        "Any path to a .gguf file or a Hugging Face checkpoint folder works as --model, and so "
+        "does a Hugging Face Hub id: org/name[@revision] (safetensors) or org/name:QUANT "
+        "(a GGUF repo's file).",
+        markup=False,
+    )
     return 0
+
+
+def _print_hub_models(console: Console, hub: list[Any]) -> None:
+    from huggingface_hub import constants
+
+    if not hub:
+        console.print(f"No Hugging Face Hub models in the cache ({constants.HF_HUB_CACHE}).")
+        return
+    table = Table(title=f"Hugging Face Hub models in the cache ({constants.HF_HUB_CACHE})")
+    for col in ("--model", "revision", "size", "weights"):
+        table.add_column(col, overflow="fold")
+    for h in hub:
+        refs = f"{', '.join(h.refs)} " if h.refs else ""
+        for arg in _hub_model_args(h):
+            table.add_row(escape(arg), f"{refs}({h.revision[:12]})", _size(h.size), h.kind)
+    console.print(table)
+
+
+def _hub_model_args(h: Any) -> list[str]:
+    """The --model values that load a cached Hub revision (one per GGUF file of a GGUF repo)."""
+    at = "" if "main" in h.refs else f"@{h.refs[0] if h.refs else h.revision}"
+    if h.kind == "gguf":
+        return [f"{h.repo_id}{at}:{name.rsplit('/', 1)[-1]}" for name in h.gguf_files]
+    return [f"{h.repo_id}{at}"]
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"

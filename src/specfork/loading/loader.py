@@ -18,6 +18,7 @@ from specfork.loading import fast as fast_loader
 from specfork.loading import gguf as gguf_loader
 from specfork.loading import safetensors as st_loader
 from specfork.loading import weight_cache
+from specfork.loading.hub import hub_label
 from specfork.loading.registry import cache_dir, resolve_model
 from specfork.loading.tokenizer import Tokenizer
 from specfork.models import DecoderLM, build_model
@@ -44,6 +45,12 @@ class LoadedModel:
     @property
     def config(self) -> ModelConfig:
         return self.model.config
+
+    @property
+    def label(self) -> str:
+        """The model's name for humans: ``org/name`` for a Hub model, else the file or folder
+        name."""
+        return hub_label(self.path) or self.path.name
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -134,7 +141,8 @@ def load_model(
     progress: bool = True,
     kernels: bool | None = None,
 ) -> LoadedModel:
-    """Load weights and tokenizer; `name_or_path` is a packaged name, a .gguf or a folder.
+    """Load weights and tokenizer; `name_or_path` is a .gguf file, a checkpoint folder, a
+    packaged name or a Hugging Face Hub id (precedence: `registry.resolve_model`).
 
     `dtype`: auto, float32, bfloat16, float16 or gguf (a GGUF's own quantized weights).
     `kernels`: run on specfork's compiled CPU kernels (None: where they help; see
@@ -148,8 +156,9 @@ def load_model(
     else:
         tokenizer = Tokenizer.from_gguf(path, cache_dir() / "tokenizers")
     seconds = time.perf_counter() - t0
-    log.info("loaded %s (%s) in %.2f s", path.name, model.describe(), seconds)
-    return LoadedModel(model=model, tokenizer=tokenizer, path=path, load_seconds=seconds)
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, path=path, load_seconds=seconds)
+    log.info("loaded %s (%s) in %.2f s", loaded.label, model.describe(), seconds)
+    return loaded
 
 
 def load_decoder(

