@@ -19,9 +19,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from test_gguf_loading import converted  # noqa: F401  (the fixture: tiny llama.cpp-style GGUFs)
-from test_tokenizer import CHATML_TEMPLATE, _byte_level_backend
-from tiny_models import TINY, randomize
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -46,6 +43,9 @@ from specfork.tools.export_model import (
     write_json,
     write_weights,
 )
+from test_gguf_loading import converted  # noqa: F401  (the fixture: tiny llama.cpp-style GGUFs)
+from test_tokenizer import CHATML_TEMPLATE, _byte_level_backend
+from tiny_models import TINY, randomize
 
 ATOL = 1e-4
 TOKENIZER_VOCAB = 448  # the byte-level test tokenizer's ids fit below this
@@ -316,8 +316,8 @@ def test_eagle3_export_computes_the_heads_logits(tmp_path: Path) -> None:
 def test_head_export_refuses_foreign_corrupt_and_gemma_heads(folders, tmp_path, capsys) -> None:
     head = _random_head()
     save_head(head, tmp_path / "head")
-    code, _, err = run_cli(capsys, ["export-head", str(tmp_path / "head"), "-m",
-                                    str(folders["llama"]), "--out", str(tmp_path / "o1")])  # fmt: skip
+    argv = ["export-head", str(tmp_path / "head"), "-m", str(folders["llama"])]
+    code, _, err = run_cli(capsys, [*argv, "--out", str(tmp_path / "o1")])
     assert code == 2 and "trained for" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o1").exists()
 
@@ -350,8 +350,8 @@ def test_head_export_checks_the_target_it_was_trained_for(folders, tmp_path, cap
     source = load_model(str(folders["llama"]), dtype="float32", device="cpu", kernels=False)
     head = DraftHead(HeadConfig.for_target(source.config, 32, (0, 1, 2)))
     save_head(head, tmp_path / "head")
-    code, _, err = run_cli(capsys, ["export-head", str(tmp_path / "head"), "-m",
-                                    str(folders["llama"]), "--out", str(tmp_path / "o")])  # fmt: skip
+    argv = ["export-head", str(tmp_path / "head"), "-m", str(folders["llama"])]
+    code, _, err = run_cli(capsys, [*argv, "--out", str(tmp_path / "o")])
     assert code == 0, err
     assert (tmp_path / "o" / "model.safetensors").is_file()
 

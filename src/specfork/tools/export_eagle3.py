@@ -75,7 +75,8 @@ def export_head(spec: HeadExport) -> Path:
     head = read_head(spec.head, _target_config(spec.target) if spec.target else None)
     check_exportable(head.config, str(spec.head))
     prepare_out(spec.out, spec.force)
-    write_weights(eagle3_state_dict(head), spec.out / "model.safetensors", EXPORT_DTYPES[spec.dtype])
+    weights = eagle3_state_dict(head)
+    write_weights(weights, spec.out / "model.safetensors", EXPORT_DTYPES[spec.dtype])
     write_json(spec.out / "config.json", eagle3_config(head.config, spec.dtype))
     log.info("exported the head %s to %s (EAGLE-3, %s)", spec.head, spec.out, spec.dtype)
     return spec.out
