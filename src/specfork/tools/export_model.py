@@ -64,8 +64,8 @@ def export_model(spec: ModelExport) -> Path:
     from specfork.loading.loader import load_eager
     from specfork.loading.registry import cache_dir, resolve_model
 
-    prepare_out(spec.out, spec.force)
     path = resolve_model(spec.model, progress=False)
+    prepare_out(spec.out, spec.force)
     if path.is_dir():
         tokenizer = Tokenizer.from_folder(path)
     else:
