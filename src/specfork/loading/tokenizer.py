@@ -190,6 +190,14 @@ class Tokenizer:
 
         return StreamDecoder(decode, context)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a token's string (special tokens included), or None."""
+        return self._backend.token_to_id(token)
+
+    def save(self, path: Path) -> None:
+        """Write the backend as a ``tokenizer.json`` file (what transformers and vLLM read)."""
+        self._backend.save(str(path))
+
     # ----------------------------------------------------------------------------- chat template
 
     def apply_chat_template(
