@@ -120,8 +120,10 @@ def _shape(arch: str, hidden: int, vocab: int, layers: int) -> str:
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low, middle and high blocks (vLLM's default for Llama targets), distinct and
-    within the model (fewer for very shallow ones)."""
+    """A low, a middle and a high block (2, L/2, L-3), distinct and within the model (fewer for
+    very shallow ones). Their *outputs* are the features: in vLLM's numbering (its aux hidden
+    state id i is the input of block i) these are ids 3, L/2+1, L-2 — `export-head` writes
+    them so; vLLM's own default ids (2, L/2, L-3) are one block lower."""
     low, mid, high = 2, num_layers // 2, num_layers - 3
     return tuple(sorted({max(0, min(i, num_layers - 1)) for i in (low, mid, high)}))
 
