@@ -18,7 +18,7 @@ from rich.console import Console
 from specfork.bench.prompts import BenchPrompt, builtin_prompts, load_prompts, select_prompts
 from specfork.bench.quality import compare_greedy, first_divergence, target_logprob, top2_gap
 from specfork.bench.records import BenchStrategy, Measurement, PreparedPrompt, RunOutput
-from specfork.bench.report import PLOT_FILES, write_all
+from specfork.bench.report import PLOT_FILES, load_results, write_all
 from specfork.bench.runner import BenchSettings, run_benchmark, run_interleaved, run_order
 from specfork.bench.specs import ensure_plain, parse_strategies, parse_strategy
 from specfork.bench.summary import per_prompt_figures, summarize
@@ -357,7 +357,8 @@ def test_bench_end_to_end(tiny_folder: Path, tmp_path: Path, capsys) -> None:
     stdout = capsys.readouterr().out
     assert code == 0
     assert "speedup by category" in stdout and "hf:prompt-lookup?k=3" in stdout
-    doc = json.loads((out / "results.json").read_text())
+    doc = load_results(out)
+    assert (out / "results.json.gz").read_bytes()[:2] == b"\x1f\x8b"  # gzip
     assert set(doc) >= {"schema", "created", "machine", "settings", "reference", "notes",
                         "categories", "strategies", "prompts", "measurements", "per_prompt",
                         "summary"}  # fmt: skip

@@ -44,7 +44,7 @@ def top2_gap(loaded: Any, ids: Sequence[int]) -> float:
     return float(top[0] - top[1])
 
 
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+def first_divergence(a: Sequence[Any], b: Sequence[Any]) -> int | None:
     """The first position where two outputs differ (the shorter length if one is a prefix of
     the other); None when they are equal."""
     if list(a) == list(b):
@@ -53,6 +53,16 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
         if x != y:
             return i
     return min(len(a), len(b))
+
+
+TEXT_STATUSES = ("text-equal", "text-differs")
+
+
+def compare_text(reference: str, other: str) -> MatchResult:
+    """Two outputs compared as text (another engine's tokens are not ours): "text-equal" or
+    "text-differs" with the first differing character's index; no near-tie rule."""
+    pos = first_divergence(reference, other)
+    return MatchResult("text-equal" if pos is None else "text-differs", pos)
 
 
 def compare_greedy(

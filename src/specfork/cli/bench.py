@@ -17,7 +17,7 @@ from rich.markup import escape
 from specfork.bench.prompts import builtin_prompts, load_prompts, select_prompts
 from specfork.bench.quality import NEAR_TIE
 from specfork.bench.report import check_output_dir, print_tables, write_all
-from specfork.bench.runner import BenchSettings, run_benchmark
+from specfork.bench.runner import TURNS, BenchSettings, run_benchmark
 from specfork.bench.specs import HF_METHODS, ensure_plain, parse_strategies, valid_options
 from specfork.cli.common import add_model_flags, model_options
 from specfork.errors import ConfigError, PromptError
@@ -45,8 +45,8 @@ examples:
   specfork bench --prompts specbench.jsonl --per-category 2 --repeats 3 --out bench-out \\
       --strategies 'ar,speculative:ngram?k=4&k_policy=heuristic,hf:prompt-lookup?k=10'
 
-outputs in --out: results.json (every measurement, the machine, the command), report.md,
-speedup.png, acceptance_by_position.png (and dspark_trace.png / fork_wins.png when the
+outputs in --out: results.json.gz (gzip JSON: every measurement, the machine, the command),
+report.md, speedup.png, acceptance_by_position.png (and dspark_trace.png / fork_wins.png when the
 strategies record K/confidence or forks). Exit status 1 when a strategy or run failed.
 """
 
@@ -70,8 +70,16 @@ def add_parser(subparsers: Any) -> None:
         "--prompts",
         type=Path,
         default=None,
-        help='prompt file: Spec-Bench JSONL (first turns), JSONL of {"prompt": ...} or '
+        help='prompt file: Spec-Bench JSONL ({"turns": [...]}), JSONL of {"prompt": ...} or '
         "plain text (one prompt a line); default: 12 built-in prompts",
+    )
+    p.add_argument(
+        "--turns",
+        choices=TURNS,
+        default="first",
+        help="first: each prompt's first turn (default); all: every turn of a multi-turn "
+        "conversation, each later turn after plain decoding's (ar's) own earlier answers, the "
+        "same context for every strategy; figures per turn",
     )
     p.add_argument("--per-category", type=int, default=None, help="first N prompts per category")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts in all")
@@ -134,6 +142,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         near_tie=args.near_tie,
         prompts_source=source,
         notes=notes,
+        turns=args.turns,
     )
 
 
