@@ -25,7 +25,7 @@ from specfork.bench.summary import per_prompt_figures, summarize
 from specfork.cli import bench as bench_command
 from specfork.cli.bench import settings_from_args
 from specfork.errors import ConfigError, PromptError
-from tiny_models import randomize
+from tiny_models import tiny_chat_llama
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -280,35 +280,11 @@ def test_match_rates_and_medians_from_measurements() -> None:
 
 # ----------------------------------------------------------------------------- end to end
 
-CHAT = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama with a byte-level tokenizer (no merges) and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-bench")
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIALS)
-    backend.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    cfg = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=257, bos_token_id=None, pad_token_id=256)  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    randomize(model, seed=0, norm_center=1.0)  # logits O(1): no accidental near-ties
-    model.save_pretrained(folder)
-    return folder
+    return tiny_chat_llama(tmp_path_factory.mktemp("tiny-bench"))
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from transformers import PreTrainedModel
 
@@ -36,3 +39,38 @@ def randomize(model: PreTrainedModel, seed: int, norm_center: float) -> None:
                 p.copy_(noise)
             else:  # linear weights [out, in]
                 p.copy_(noise * p.shape[-1] ** -0.5)
+
+
+CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_chat_llama(folder: Path, chat: bool = True) -> Path:
+    """A 2-layer random Llama checkpoint in `folder` with a byte-level tokenizer (no merges)
+    and a ChatML chat template (none with ``chat=False``): the bench's end-to-end tests run
+    it in seconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIALS)
+    backend.save(str(folder / "tokenizer.json"))
+    config = {
+        "eos_token": "<|im_end|>",
+        "bos_token": None,
+        **({"chat_template": CHAT} if chat else {}),
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    cfg = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=257, bos_token_id=None, pad_token_id=256)  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    randomize(model, seed=0, norm_center=1.0)  # logits O(1): no accidental near-ties
+    model.save_pretrained(folder)
+    return folder

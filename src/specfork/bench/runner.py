@@ -516,6 +516,9 @@ def _build_strategies(
         if spec.family == "llamacpp":
             out.append(_build_llamacpp(spec, loaded, settings, sampling, notes, context))
             continue
+        if spec.family == "openai":
+            out.append(_build_openai(spec, loaded, settings, sampling, notes))
+            continue
         spec = _with_expected_length(spec, settings.max_new_tokens)
         strategy = BenchStrategy(spec.label, "specfork", None, spec.describe())
         try:
@@ -579,6 +582,41 @@ def _build_llamacpp(
         spec, target_path=loaded.path, n=settings.max_new_tokens, context=context,
         eos_ids=loaded.tokenizer.eos_ids, sampling=sampling, ignore_eos=settings.ignore_eos,
     )  # fmt: skip
+
+
+def _build_openai(
+    spec: StrategySpec,
+    loaded: Any,
+    settings: BenchSettings,
+    sampling: SamplingParams,
+    notes: list[str],
+) -> BenchStrategy:
+    from specfork.bench import openai_api
+
+    if not openai_api.httpx_available():
+        note = f"httpx is not installed: openai: baselines are skipped ({openai_api.INSTALL})"
+        if note not in notes:
+            notes.append(note)
+        return BenchStrategy(spec.label, "openai", None, spec.describe(),
+                             error="httpx is not installed", skipped=True)  # fmt: skip
+    for note in _openai_notes(settings):
+        if note not in notes:
+            notes.append(note)
+    chat = loaded.tokenizer.chat_template is not None
+    return openai_api.build_openai_strategy(spec, n=settings.max_new_tokens, sampling=sampling,
+                                            ignore_eos=settings.ignore_eos, chat=chat)  # fmt: skip
+
+
+def _openai_notes(settings: BenchSettings) -> list[str]:
+    notes = [
+        "openai: rows are another engine behind its HTTP API (its kernels, tokenizer and "
+        "streaming): their speedup compares engines, tokens are its usage counts, and their "
+        "match with ar compares text, information only"
+    ]
+    if settings.ignore_eos:
+        notes.append("openai: requests carry ignore_eos (vLLM and specfork serve honour it; a "
+                     "server that does not may stop at EOS)")  # fmt: skip
+    return notes
 
 
 def _with_expected_length(spec: StrategySpec, n: int) -> StrategySpec:
