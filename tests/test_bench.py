@@ -450,3 +450,34 @@ def test_help_documents_the_spec_syntax(capsys) -> None:
     for words in ("strategy[:drafter][?key=value&key=value]", "k_policy", "hf:prompt-lookup",
                   "hf:assisted?draft=", "results.json"):  # fmt: skip
         assert words in out, words
+
+
+def test_results_are_gzip_and_old_plain_files_still_read(tmp_path: Path) -> None:
+    import gzip
+
+    from specfork.bench.report import write_results_json
+
+    doc = {"schema": "specfork-bench/1", "summary": {"ar": {}}, "notes": ["é"]}
+    new = tmp_path / "new"
+    new.mkdir()
+    path = write_results_json(doc, new)
+    assert path.name == "results.json.gz" and json.loads(gzip.decompress(path.read_bytes())) == doc
+    assert write_results_json(doc, new).read_bytes() == path.read_bytes()  # no timestamp inside
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "results.json").write_text(json.dumps(doc))  # written before compression
+    for where in (new, path, old, old / "results.json"):
+        assert load_results(where) == doc
+    renamed = tmp_path / "copy.json"  # gzip is recognised by its bytes, whatever the name
+    renamed.write_bytes(path.read_bytes())
+    assert load_results(renamed) == doc
+    with pytest.raises(ConfigError, match=r"has no results\.json\.gz"):
+        load_results(tmp_path)
+    (tmp_path / "broken.json.gz").write_bytes(path.read_bytes()[:20])
+    with pytest.raises(ConfigError, match="not a bench results file"):
+        load_results(tmp_path / "broken.json.gz")
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    with pytest.raises(ConfigError, match="no 'summary'"):
+        load_results(tmp_path / "other.json")
+    with pytest.raises(ConfigError, match="cannot read the results file"):
+        load_results(tmp_path / "missing.json")

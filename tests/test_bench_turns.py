@@ -237,3 +237,22 @@ def test_all_turns_need_a_chat_template(tmp_path: Path) -> None:
                              max_new_tokens=3, repeats=1, warmup=0, turns="all")  # fmt: skip
     with pytest.raises(ConfigError, match="no chat template; use --turns first"):
         run_benchmark(settings, loaded=loaded, show_progress=False)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_turn_that_cannot_be_built_is_a_note(tiny_folder: Path) -> None:
+    """A turn 2 far longer than the model's context is refused when it is built: turn 2 fails
+    with the reason in the notes, the run goes on."""
+    from specfork.loading.loader import load_model
+
+    loaded = load_model(str(tiny_folder), dtype="float32", device="cpu", progress=False)
+    prompts = [BenchPrompt(5, "w", "Hi", ("x" * 30_000,)), BenchPrompt(6, "qa", "Why?")]
+    settings = BenchSettings(parse_strategies("ar,speculative:ngram?k=2"), prompts,
+                             max_new_tokens=3, repeats=1, warmup=0, turns="all")  # fmt: skip
+    results = run_benchmark(settings, loaded=loaded, show_progress=False)
+    failed = [m for m in results.measurements if not m.ok]
+    assert [(m.strategy, m.turn) for m in failed] == [("ar", 2), ("speculative:ngram?k=2", 2)]
+    assert [(p.index, p.turn) for p in results.prompts] == [(0, 1), (1, 1)]
+    note = next(n for n in results.notes if n.startswith("question 5 turn 2 was not run"))
+    assert "could not be built" in note and "characters" in note
+    assert results.summary_by_turn is not None and set(results.summary_by_turn) == {"1"}

@@ -8,6 +8,11 @@ the one before (a rotation),
 so no strategy always runs first after a prompt change. Machine drift thus hits all strategies
 alike, and a speedup compares runs minutes, not hours, apart.
 
+Multi-turn conversations (``turns="all"``): a prompt's turns run one after the other, each as
+above; a later turn's context is the conversation so far with plain decoding's (``ar``'s)
+own first-repeat answers, built once, so every strategy decodes it on the same tokens and its
+figures compare with ``ar``'s run of the same turn.
+
 A strategy that cannot be built or fails its warm-up is recorded with its error and skipped;
 a measurement that fails is recorded with its error and the benchmark goes on.
 
@@ -429,6 +434,11 @@ def run_benchmark(
         next_turn=next_turn if multi_turn else None,
     )  # fmt: skip
     prompts = sorted([*prompts, *later], key=lambda p: (p.index, p.turn))
+    built = {(p.index, p.turn) for p in prompts}
+    for m in measurements:  # later turns that could not be built have no rows: say why
+        note = f"question {m.question_id} turn {m.turn} was not run: {m.error}"
+        if (m.prompt_index, m.turn) not in built and note not in notes:
+            notes.append(note)
     for s in strategies:
         if s.error and not s.skipped:
             notes.append(f"{s.label} failed: {s.error}")

@@ -38,12 +38,18 @@ strategy specs (--strategies, comma-separated, repeatable; the label of each is 
   options    any SpecConfig field: {", ".join(valid_options())}
              (values converted to the field's type; tuples as comma lists)
   baselines  {hf} (need transformers; skipped with a note without it);
-             hf:prompt-lookup?k=N&max_ngram=N, hf:assisted?draft=NAME-or-PATH&k=N
+             hf:prompt-lookup?k=N&max_ngram=N, hf:assisted?draft=NAME-or-PATH&k=N;
+             llamacpp:ar, llamacpp:lookup?k=N&max_ngram=N (need llama-cpp-python);
+             openai:URL[#model]: a running OpenAI-compatible server (vLLM, SGLang,
+             llama-server, specfork serve) streamed through its API, e.g.
+             openai:http://127.0.0.1:8000/v1#Qwen/Qwen3-0.6B (default: its first model;
+             OPENAI_API_KEY is sent when set); text match only, information only
 
 examples:
   specfork bench --strategies ar,speculative:ngram,speculative:self?skip_layers=10-19
   specfork bench --prompts specbench.jsonl --per-category 2 --repeats 3 --out bench-out \\
       --strategies 'ar,speculative:ngram?k=4&k_policy=heuristic,hf:prompt-lookup?k=10'
+  specfork bench --prompts specbench.jsonl --turns all --strategies ar,dspark:ngram
 
 outputs in --out: results.json.gz (gzip JSON: every measurement, the machine, the command),
 report.md, speedup.png, acceptance_by_position.png (and dspark_trace.png / fork_wins.png when the
