@@ -8,19 +8,20 @@ optionally the self drafter, and transformers' `generate` and prompt lookup (4).
     python benchmarks/spec_speed.py --prompts benchmarks/prompts/specbench-dev.jsonl \
         --per-category 2 --max-new-tokens 128 --out bench-out/spec_speed
 
-`--out` is a folder (results.json, report.md, PNG plots); a path ending in .json also gets a
-copy of results.json, and the folder is that path without the suffix.
+`--out` is a folder (results.json.gz, report.md, PNG plots); a path ending in .json also gets
+the results as plain JSON, and the folder is that path without the suffix.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import json
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
+from specfork.bench.report import load_results
 from specfork.cli import bench as bench_command
 from specfork.errors import SpecforkError
 
@@ -71,7 +72,7 @@ def main() -> int:
         err.print(f"error: {exc}", markup=False)
         return 2
     if args.out.suffix == ".json":
-        shutil.copyfile(out / "results.json", args.out)
+        args.out.write_text(json.dumps(load_results(out), indent=1) + "\n", encoding="utf-8")
     return code
 
 

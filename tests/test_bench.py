@@ -18,14 +18,14 @@ from rich.console import Console
 from specfork.bench.prompts import BenchPrompt, builtin_prompts, load_prompts, select_prompts
 from specfork.bench.quality import compare_greedy, first_divergence, target_logprob, top2_gap
 from specfork.bench.records import BenchStrategy, Measurement, PreparedPrompt, RunOutput
-from specfork.bench.report import PLOT_FILES, write_all
+from specfork.bench.report import PLOT_FILES, load_results, write_all
 from specfork.bench.runner import BenchSettings, run_benchmark, run_interleaved, run_order
 from specfork.bench.specs import ensure_plain, parse_strategies, parse_strategy
 from specfork.bench.summary import per_prompt_figures, summarize
 from specfork.cli import bench as bench_command
 from specfork.cli.bench import settings_from_args
 from specfork.errors import ConfigError, PromptError
-from tiny_models import randomize
+from tiny_models import tiny_chat_llama
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -280,35 +280,11 @@ def test_match_rates_and_medians_from_measurements() -> None:
 
 # ----------------------------------------------------------------------------- end to end
 
-CHAT = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama with a byte-level tokenizer (no merges) and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-bench")
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIALS)
-    backend.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    cfg = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=257, bos_token_id=None, pad_token_id=256)  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    randomize(model, seed=0, norm_center=1.0)  # logits O(1): no accidental near-ties
-    model.save_pretrained(folder)
-    return folder
+    return tiny_chat_llama(tmp_path_factory.mktemp("tiny-bench"))
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -357,7 +333,8 @@ def test_bench_end_to_end(tiny_folder: Path, tmp_path: Path, capsys) -> None:
     stdout = capsys.readouterr().out
     assert code == 0
     assert "speedup by category" in stdout and "hf:prompt-lookup?k=3" in stdout
-    doc = json.loads((out / "results.json").read_text())
+    doc = load_results(out)
+    assert (out / "results.json.gz").read_bytes()[:2] == b"\x1f\x8b"  # gzip
     assert set(doc) >= {"schema", "created", "machine", "settings", "reference", "notes",
                         "categories", "strategies", "prompts", "measurements", "per_prompt",
                         "summary"}  # fmt: skip
@@ -473,3 +450,34 @@ def test_help_documents_the_spec_syntax(capsys) -> None:
     for words in ("strategy[:drafter][?key=value&key=value]", "k_policy", "hf:prompt-lookup",
                   "hf:assisted?draft=", "results.json"):  # fmt: skip
         assert words in out, words
+
+
+def test_results_are_gzip_and_old_plain_files_still_read(tmp_path: Path) -> None:
+    import gzip
+
+    from specfork.bench.report import write_results_json
+
+    doc = {"schema": "specfork-bench/1", "summary": {"ar": {}}, "notes": ["é"]}
+    new = tmp_path / "new"
+    new.mkdir()
+    path = write_results_json(doc, new)
+    assert path.name == "results.json.gz" and json.loads(gzip.decompress(path.read_bytes())) == doc
+    assert write_results_json(doc, new).read_bytes() == path.read_bytes()  # no timestamp inside
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "results.json").write_text(json.dumps(doc))  # written before compression
+    for where in (new, path, old, old / "results.json"):
+        assert load_results(where) == doc
+    renamed = tmp_path / "copy.json"  # gzip is recognised by its bytes, whatever the name
+    renamed.write_bytes(path.read_bytes())
+    assert load_results(renamed) == doc
+    with pytest.raises(ConfigError, match=r"has no results\.json\.gz"):
+        load_results(tmp_path)
+    (tmp_path / "broken.json.gz").write_bytes(path.read_bytes()[:20])
+    with pytest.raises(ConfigError, match="not a bench results file"):
+        load_results(tmp_path / "broken.json.gz")
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    with pytest.raises(ConfigError, match="no 'summary'"):
+        load_results(tmp_path / "other.json")
+    with pytest.raises(ConfigError, match="cannot read the results file"):
+        load_results(tmp_path / "missing.json")

@@ -23,7 +23,7 @@ import pytest
 from fake_hub import FakeHub, FakeRepo, serve
 from specfork.errors import ConfigError
 from specfork.loading.hub import HubRef, hub_label, select_gguf
-from tiny_models import save_tiny_chat_model
+from tiny_models import tiny_chat_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATE = ["generate", "-n", "8", "--dtype", "float32", "--kernels", "off", "hello"]
@@ -36,7 +36,7 @@ GGUF_FILES = ("tiny-Q4_K_M.gguf", "tiny-Q4_K_S.gguf", "tiny-Q8_0.gguf", "mmproj-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_chat_model(tmp_path_factory.mktemp("hub-src") / "tiny")
+    return tiny_chat_llama(tmp_path_factory.mktemp("hub-src") / "tiny")
 
 
 def _tiny_gguf(path: Path, name: str) -> bytes:

@@ -41,15 +41,17 @@ def randomize(model: PreTrainedModel, seed: int, norm_center: float) -> None:
                 p.copy_(noise * p.shape[-1] ** -0.5)
 
 
-CHAT_TEMPLATE = (
+CHAT = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def save_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
-    """A 2-layer random Llama checkpoint with a byte-level tokenizer (no merges) and a chat
-    template, saved in `folder` as transformers saves it (config.json, model.safetensors)."""
+def tiny_chat_llama(folder: Path, chat: bool = True, seed: int = 0) -> Path:
+    """A 2-layer random Llama checkpoint in `folder` (as transformers saves it: config.json,
+    model.safetensors) with a byte-level tokenizer (no merges) and a ChatML chat template (none
+    with ``chat=False``): end-to-end tests run it in seconds."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -58,9 +60,13 @@ def save_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    backend.add_special_tokens(SPECIALS)
     backend.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE}
+    config = {
+        "eos_token": "<|im_end|>",
+        "bos_token": None,
+        **({"chat_template": CHAT} if chat else {}),
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     cfg = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -2,7 +2,7 @@
 
 Three formats, one prompt a line (blank lines skipped):
 - Spec-Bench JSONL: ``{"question_id": ..., "category": ..., "turns": [first user message, ...]}``
-  (the first turn is used, through the model's chat template);
+  (through the model's chat template; the first turn, or every turn with ``--turns all``);
 - JSONL with a ``prompt`` string instead of ``turns`` (``category`` and ``question_id``
   optional);
 - plain text: each line is a prompt (category "text"). ``.jsonl``/``.json`` files are JSONL,
@@ -23,14 +23,24 @@ from specfork.errors import PromptError
 
 @dataclass(frozen=True, slots=True)
 class BenchPrompt:
-    """One benchmark prompt: its id, task category and (first-turn) text."""
+    """One benchmark prompt: its id, task category, first-turn text and the user messages of
+    any later turns (Spec-Bench's multi-turn conversations)."""
 
     question_id: str | int
     category: str
     text: str
+    later_turns: tuple[str, ...] = ()
+
+    @property
+    def turns(self) -> tuple[str, ...]:
+        """Every user message of the conversation, the first turn first."""
+        return (self.text, *self.later_turns)
 
     def to_dict(self) -> dict:
-        return {"question_id": self.question_id, "category": self.category, "text": self.text}
+        out: dict = {"question_id": self.question_id, "category": self.category, "text": self.text}
+        if self.later_turns:
+            out["later_turns"] = list(self.later_turns)
+        return out
 
 
 def load_prompts(path: str | Path) -> list[BenchPrompt]:
@@ -68,13 +78,16 @@ def parse_line(line: str, where: str, default_id: int = 0) -> BenchPrompt:
                           "(or give 'prompt': a string)")  # fmt: skip
     if not isinstance(turns[0], str) or not turns[0].strip():
         raise PromptError(f"{where}: the prompt (first turn) must be a non-empty string")
+    for number, turn in enumerate(turns[1:], 2):
+        if not isinstance(turn, str) or not turn.strip():
+            raise PromptError(f"{where}: turn {number} must be a non-empty string")
     category = row.get("category", "uncategorized")
     if not isinstance(category, str) or not category.strip():
         raise PromptError(f"{where}: 'category' must be a non-empty string")
     qid = row.get("question_id", default_id)
     if not isinstance(qid, (str, int)) or isinstance(qid, bool):
         raise PromptError(f"{where}: 'question_id' must be a string or an integer")
-    return BenchPrompt(qid, category.strip(), turns[0])
+    return BenchPrompt(qid, category.strip(), turns[0], tuple(turns[1:]))
 
 
 def select_prompts(

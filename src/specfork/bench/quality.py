@@ -44,7 +44,7 @@ def top2_gap(loaded: Any, ids: Sequence[int]) -> float:
     return float(top[0] - top[1])
 
 
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+def first_divergence(a: Sequence[Any], b: Sequence[Any]) -> int | None:
     """The first position where two outputs differ (the shorter length if one is a prefix of
     the other); None when they are equal."""
     if list(a) == list(b):
@@ -53,6 +53,18 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
         if x != y:
             return i
     return min(len(a), len(b))
+
+
+TEXT_STATUSES = ("text-equal", "text-differs")
+
+
+def compare_text(reference: str, other: str) -> MatchResult:
+    """Two outputs compared as text (another engine's tokens are not ours): "text-equal" or
+    "text-differs" with the first differing character's index; no near-tie rule. Replacement
+    characters at the end are dropped first: a character cut by the token limit decodes to
+    U+FFFD in one place and is held back by a streaming server's decoder in another."""
+    pos = first_divergence(reference.rstrip("\ufffd"), other.rstrip("\ufffd"))
+    return MatchResult("text-equal" if pos is None else "text-differs", pos)
 
 
 def compare_greedy(

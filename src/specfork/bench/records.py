@@ -54,18 +54,26 @@ class RunOutput:
     drafted_by_position: list[int] | None = None
     rounds: list[dict] | None = None
     finish_reason: str | None = None
+    text: str | None = None  # the output as text, from runners that get no token ids (openai:)
 
 
 @dataclass
 class BenchStrategy:
-    """A strategy ready to measure: ``run(prompt_ids) -> RunOutput``."""
+    """A strategy ready to measure: ``run(prompt_ids) -> RunOutput``, or with
+    ``takes_prompt`` ``run(prepared_prompt)`` (runners that send text or chat messages)."""
 
     label: str
     family: str
-    run: Callable[[list[int]], RunOutput] | None
+    run: Callable[[Any], RunOutput] | None
     description: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # set when it could not be built or failed its warm-up
     skipped: bool = False  # not run at all (e.g. transformers missing); `error` says why
+    takes_prompt: bool = False  # run() gets the PreparedPrompt, not its token ids
+
+    def run_on(self, prompt: PreparedPrompt) -> RunOutput:
+        """Run once on `prompt` (its token ids, or the prompt itself for ``takes_prompt``)."""
+        assert self.run is not None
+        return self.run(prompt if self.takes_prompt else list(prompt.ids))
 
     @property
     def ok(self) -> bool:
@@ -82,15 +90,28 @@ class BenchStrategy:
 
 @dataclass
 class PreparedPrompt:
-    """A benchmark prompt and its token ids (chat template applied)."""
+    """One turn of a benchmark prompt and its token ids (chat template applied).
+
+    ``messages`` is the conversation up to this turn's user message (later turns carry the
+    reference's earlier answers); ``chat`` says whether the ids went through the chat template
+    (without one, the ids are the first turn's plain text).
+    """
 
     index: int
     prompt: BenchPrompt
     ids: list[int]
+    turn: int = 1
+    messages: list[dict[str, str]] = field(default_factory=list)
+    chat: bool = True
 
     @property
     def category(self) -> str:
         return self.prompt.category
+
+    @property
+    def text(self) -> str:
+        """This turn's user message."""
+        return self.prompt.turns[self.turn - 1]
 
 
 @dataclass
@@ -107,6 +128,7 @@ class Measurement:
     error: str | None = None
     output: RunOutput | None = None
     peak_rss_mb: float | None = None
+    turn: int = 1
 
     @property
     def new_tokens(self) -> int:
@@ -138,8 +160,9 @@ class Measurement:
         o = self.output
         out: dict[str, Any] = {
             "sequence": self.sequence, "strategy": self.strategy,
-            "prompt_index": self.prompt_index, "question_id": self.question_id,
-            "category": self.category, "repeat": self.repeat, "ok": self.ok,
+            "prompt_index": self.prompt_index, "turn": self.turn,
+            "question_id": self.question_id, "category": self.category,
+            "repeat": self.repeat, "ok": self.ok,
             "error": self.error, "peak_rss_mb": self.peak_rss_mb,
         }  # fmt: skip
         if o is not None:
@@ -158,4 +181,6 @@ class Measurement:
                 token_ids=o.token_ids,
                 rounds=o.rounds,
             )
+            if o.text is not None:
+                out["text"] = o.text
         return out

@@ -1,7 +1,9 @@
 """Benchmark outputs: terminal tables, results.json, report.md and PNG plots.
 
-Everything here works from the results.json document (``BenchResults.to_dict()``), so reports
-and plots can be made again from a saved file. Plots use matplotlib's Agg backend (no display):
+Everything here works from the results document (``BenchResults.to_dict()``), so reports and
+plots can be made again from a saved file: `load_results` reads ``results.json.gz`` (what the
+bench writes: gzip, the results are megabytes of per-round traces) and older plain
+``results.json`` files alike. Plots use matplotlib's Agg backend (no display):
 
 - ``speedup.png``: speedup over plain decoding by category and strategy;
 - ``acceptance_by_position.png``: acceptance rate at each draft position, per strategy;
@@ -16,6 +18,7 @@ and are skipped when no strategy's rounds have those keys.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -32,7 +35,8 @@ from rich.table import Table
 from specfork.bench.records import FIGURES, OVERALL
 from specfork.errors import ConfigError
 
-RESULTS_FILE = "results.json"
+RESULTS_FILE = "results.json.gz"
+LEGACY_RESULTS_FILE = "results.json"  # written before the results were compressed
 REPORT_FILE = "report.md"
 PLOT_FILES = {
     "speedup": "speedup.png",
@@ -74,6 +78,23 @@ def fmt(key: str, value: Any) -> str:
     return _FORMATS.get(key, "{}").format(value)
 
 
+_MATCH_KEYS = ("greedy_match_rate", "exact_match_rate")
+
+
+def fmt_cell(key: str, cell: Mapping[str, Any]) -> str:
+    """A summary cell's figure; match rates judged on text (another engine) say so."""
+    text = fmt(key, cell.get(key))
+    if key in _MATCH_KEYS and cell.get("match_basis") == "text" and text != "n/a":
+        return f"{text} (text)"
+    return text
+
+
+def turn_summaries(doc: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(turn, summary) of a multi-turn run, in turn order; empty for a first-turn run."""
+    by_turn = doc.get("summary_by_turn") or {}
+    return sorted(by_turn.items(), key=lambda item: int(item[0]))
+
+
 def _rows(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Strategies with figures (skipped ones have none), in the order given."""
     return [s for s in doc["strategies"] if s["status"] != "skipped"]
@@ -91,18 +112,23 @@ def print_tables(doc: Mapping[str, Any], console: Console) -> None:
         console = Console(file=console.file, width=160)
     summary = doc["summary"]
     drafting = tuple(k for k, _, _ in FIGURES if k not in _SPEED)
-    for title, keys in (
-        (f"overall speed (medians; speedup over {doc['reference']})", _SPEED),
-        ("overall drafting and greedy match (medians)", drafting),
-    ):
+    tables = [
+        (f"overall speed (medians; speedup over {doc['reference']})", _SPEED, summary),
+        ("overall drafting and greedy match (medians)", drafting, summary),
+    ]
+    for turn, by_turn in turn_summaries(doc):
+        keys = (*_SPEED[:2], "mean_accepted_length", "greedy_match_rate")
+        tables.append((f"turn {turn} (medians; speedup over {doc['reference']} on turn {turn})",
+                       keys, by_turn))  # fmt: skip
+    for title, keys, source in tables:
         table = Table(title=title)
         table.add_column("strategy", overflow="fold")
         for key in keys:
             table.add_column(_TITLES[key], justify="right")
         for s in _rows(doc):
-            cell = summary.get(s["label"], {}).get(OVERALL, {})
+            cell = source.get(s["label"], {}).get(OVERALL, {})
             name = s["label"] if s["status"] == "ok" else f"{s['label']} ({s['status']})"
-            table.add_row(escape(name), *(fmt(k, cell.get(k)) for k in keys))
+            table.add_row(escape(name), *(fmt_cell(k, cell) for k in keys))
         console.print(table)
     cats = [*doc["categories"], OVERALL]
     by_cat = Table(title="speedup by category (median of per-prompt speedups)")
@@ -121,16 +147,54 @@ def print_tables(doc: Mapping[str, Any], console: Console) -> None:
 
 
 def write_results_json(doc: Mapping[str, Any], out: Path) -> Path:
+    """``results.json.gz``: the document as gzip-compressed JSON (no timestamp in the gzip
+    header, so the same document gives the same bytes)."""
     path = out / RESULTS_FILE
-    path.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
+    data = (json.dumps(doc, indent=1, default=str) + "\n").encode("utf-8")
+    path.write_bytes(gzip.compress(data, mtime=0))
     return path
+
+
+def results_path(path: str | Path) -> Path:
+    """The results file of a bench output folder (``results.json.gz``, else an old
+    ``results.json``), or `path` itself when it is a file."""
+    path = Path(path)
+    if path.is_dir():
+        for name in (RESULTS_FILE, LEGACY_RESULTS_FILE):
+            if (path / name).is_file():
+                return path / name
+        raise ConfigError(
+            f"{path} has no {RESULTS_FILE} (nor {LEGACY_RESULTS_FILE}): "
+            "give a `specfork bench --out` folder or a results file"
+        )
+    return path
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    """A saved results document: a bench output folder, a ``.json.gz`` or a plain ``.json``
+    file (gzip is recognised by its magic bytes, whatever the name)."""
+    file = results_path(path)
+    try:
+        raw = file.read_bytes()
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+        doc = json.loads(raw.decode("utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read the results file {file}: {exc.strerror or exc}") from exc
+    except (EOFError, gzip.BadGzipFile, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(
+            f"{file} is not a bench results file (JSON, optionally gzip): {exc}"
+        ) from exc
+    if not isinstance(doc, dict) or "summary" not in doc:
+        raise ConfigError(f"{file} is not a bench results file: no 'summary' in it")
+    return doc
 
 
 def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = ()) -> Path:
     """A Markdown report: machine, method, notes, tables, plots."""
     m, st = doc["machine"], doc["settings"]
     cats = [*doc["categories"], OVERALL]
-    n_prompts = len(doc["prompts"])
+    n_prompts = len({p.get("index", i) for i, p in enumerate(doc["prompts"])})
     lines = [
         f"# specfork bench: {Path(st['model']).name}",
         "",
@@ -141,7 +205,7 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
         f"Command: `{m['command']}`",
         "",
         f"{n_prompts} prompts from {st['prompts_source']} ({len(doc['categories'])} categories), "
-        f"first turn with the chat template; {st['max_new_tokens']} new tokens at most"
+        f"{_turns_text(doc)}; {st['max_new_tokens']} new tokens at most"
         f"{' (EOS ignored)' if st['ignore_eos'] else ''}, temperature {st['temperature']}; "
         f"warm-up {st['warmup']}, then prompt by prompt with every strategy interleaved, "
         f"{st['repeats']} repeat(s). Figures: per prompt the median over repeats; per category "
@@ -155,17 +219,18 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
     ]
     if doc.get("notes"):
         lines += ["Notes:", "", *(f"- {n}" for n in doc["notes"]), ""]
-    lines += ["## Overall", "", _md_table(
-        ["strategy", *(t for _, t, _ in FIGURES)],
-        [[s["label"], *(fmt(k, doc["summary"][s["label"]][OVERALL].get(k)) for k, _, _ in FIGURES)]
-         for s in _rows(doc)],
-    ), ""]  # fmt: skip
-    for key in _BY_CATEGORY:
-        lines += [f"## {_TITLES[key]} by category", "", _md_table(
-            ["strategy", *cats],
-            [[s["label"], *(fmt(key, doc["summary"][s["label"]][c].get(key)) for c in cats)]
-             for s in _rows(doc)],
-        ), ""]  # fmt: skip
+    if any(c.get("match_basis") == "text" for s in doc["summary"].values() for c in s.values()):
+        lines += [
+            f"Match rates marked (text) compare decoded text with `{doc['reference']}`'s: "
+            "another engine, with its own kernels and tokenizer — information only.",
+            "",
+        ]
+    overall = "## Overall (every turn)" if turn_summaries(doc) else "## Overall"
+    lines += [overall, "", _overall_table(doc, doc["summary"]), ""]
+    lines += _category_tables(doc, doc["summary"], cats, "")
+    for turn, by_turn in turn_summaries(doc):
+        lines += [f"## Turn {turn}", "", _overall_table(doc, by_turn), ""]
+        lines += _category_tables(doc, by_turn, cats, f"turn {turn}: ", ("speedup",))
     lines += ["## Strategies", "", _md_table(
         ["strategy", "family", "status", "error"],
         [[s["label"], s["family"], s["status"], s.get("error") or ""] for s in doc["strategies"]],
@@ -179,6 +244,43 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
     return path
 
 
+def _turns_text(doc: Mapping[str, Any]) -> str:
+    if not turn_summaries(doc):
+        return "first turn with the chat template"
+    ref = doc["reference"]
+    return (
+        f"every turn of each conversation with the chat template (a later turn follows "
+        f"`{ref}`'s own earlier answers, the same context for every strategy; figures per "
+        f"turn are against `{ref}`'s run of the same turn)"
+    )
+
+
+def _overall_table(doc: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
+    return _md_table(
+        ["strategy", *(t for _, t, _ in FIGURES)],
+        [[s["label"], *(fmt_cell(k, summary[s["label"]][OVERALL]) for k, _, _ in FIGURES)]
+         for s in _rows(doc)],
+    )  # fmt: skip
+
+
+def _category_tables(
+    doc: Mapping[str, Any],
+    summary: Mapping[str, Any],
+    cats: Sequence[str],
+    prefix: str,
+    keys: Sequence[str] = _BY_CATEGORY,
+) -> list[str]:
+    lines: list[str] = []
+    for key in keys:
+        lines += [f"### {prefix}{_TITLES[key]} by category" if prefix else
+                  f"## {_TITLES[key]} by category", "", _md_table(
+            ["strategy", *cats],
+            [[s["label"], *(fmt_cell(key, summary[s["label"]][c]) for c in cats)]
+             for s in _rows(doc)],
+        ), ""]  # fmt: skip
+    return lines
+
+
 def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     def cell(x: object) -> str:
         return str(x).replace("|", "\\|").replace("\n", " ")
@@ -189,7 +291,7 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def write_all(doc: Mapping[str, Any], out: Path, plots: bool = True) -> dict[str, Any]:
-    """results.json, the PNG plots and report.md; returns what was written."""
+    """results.json.gz, the PNG plots and report.md; returns what was written."""
     pngs: list[Path] = []
     if plots:
         try:

@@ -8,6 +8,11 @@ the one before (a rotation),
 so no strategy always runs first after a prompt change. Machine drift thus hits all strategies
 alike, and a speedup compares runs minutes, not hours, apart.
 
+Multi-turn conversations (``turns="all"``): a prompt's turns run one after the other, each as
+above; a later turn's context is the conversation so far with plain decoding's (``ar``'s)
+own first-repeat answers, built once, so every strategy decodes it on the same tokens and its
+figures compare with ``ar``'s run of the same turn.
+
 A strategy that cannot be built or fails its warm-up is recorded with its error and skipped;
 a measurement that fails is recorded with its error and the benchmark goes on.
 
@@ -39,7 +44,7 @@ from specfork.bench.prompts import BenchPrompt
 from specfork.bench.quality import NEAR_TIE, target_logprob, top2_gap
 from specfork.bench.records import BenchStrategy, Measurement, PreparedPrompt, RunOutput
 from specfork.bench.specs import StrategySpec
-from specfork.bench.summary import per_prompt_figures, summarize
+from specfork.bench.summary import per_prompt_figures, summarize, turns_of
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import DTYPES, Model, resolve_dtype
@@ -107,6 +112,9 @@ def run_order(n_strategies: int, repeat: int) -> list[int]:
     return [(repeat + i) % n_strategies for i in range(n_strategies)]
 
 
+NextTurn = Callable[[PreparedPrompt, RunOutput], PreparedPrompt]
+
+
 def run_interleaved(
     strategies: Sequence[BenchStrategy],
     prompts: Sequence[PreparedPrompt],
@@ -117,12 +125,21 @@ def run_interleaved(
     progress: LiveProgress | None = None,
     measure_memory: bool = True,
     warmup_prompt: PreparedPrompt | None = None,
+    next_turn: NextTurn | None = None,
 ) -> list[Measurement]:
-    """Measure every ready strategy on every prompt; see the module docstring for the order."""
+    """Measure every ready strategy on every prompt; see the module docstring for the order.
+
+    With `next_turn` every turn of a prompt's conversation is measured, one after the other:
+    ``next_turn(prompt, output)`` builds the next turn from this turn and the reference's
+    first-repeat output on it, so every strategy decodes a later turn on the same context.
+    Where the reference has no output for a turn (it failed), the later turns are recorded
+    as failed for every strategy.
+    """
     ready = [s for s in strategies if s.ok]
     progress = progress or LiveProgress(None, enabled=False)
     measurements: list[Measurement] = []
-    total = len(ready) * (warmup + repeats * len(prompts))
+    turns = sum(len(p.prompt.turns) if next_turn else 1 for p in prompts)
+    total = len(ready) * (warmup + repeats * turns)
     running: dict[str, list[float]] = {}
     with progress.running(total):
         for w in range(warmup if prompts else 0):
@@ -131,38 +148,92 @@ def run_interleaved(
                 progress.describe(f"warm-up {w + 1}/{warmup} · {s.label}")
                 if s.error is None:
                     try:
-                        s.run(list(p.ids))  # type: ignore[misc]
+                        s.run_on(p)
                     except Exception as exc:
                         s.error = f"warm-up failed: {_describe(exc)}"
                 progress.advance()
         active = [s for s in ready if s.error is None]
-        for p in prompts:
-            for r in range(repeats):
-                for i in run_order(len(active), r):
-                    s = active[i]
-                    progress.describe(
-                        f"prompt {p.index + 1}/{len(prompts)} ({p.category}) "
-                        f"repeat {r + 1}/{repeats}: {s.label}"
-                    )
-                    measurements.append(_measure(s, p, r, len(measurements), measure_memory))
-                    progress.advance()
-            _update_running(running, measurements, p.index, reference)
-            progress.speedups({k: statistics.median(v) for k, v in running.items() if v})
+        for first in prompts:
+            p: PreparedPrompt | None = first
+            last = len(first.prompt.turns) if next_turn else 1
+            while p is not None:
+                _measure_turn(active, p, repeats, len(prompts), measurements, progress,
+                              measure_memory, multi_turn=next_turn is not None)  # fmt: skip
+                _update_running(running, measurements, p, reference)
+                progress.speedups({k: statistics.median(v) for k, v in running.items() if v})
+                if next_turn is None or p.turn >= last:
+                    break
+                p = _next_turn(next_turn, p, measurements, reference, active, repeats,
+                               last, progress)  # fmt: skip
         for s in ready:  # strategies that failed their warm-up: their slots count as done
             if s.error is not None:
-                for _ in range(repeats * len(prompts)):
+                for _ in range(repeats * turns):
                     progress.advance()
     return measurements
+
+
+def _measure_turn(
+    active: Sequence[BenchStrategy],
+    p: PreparedPrompt,
+    repeats: int,
+    n_prompts: int,
+    measurements: list[Measurement],
+    progress: LiveProgress,
+    measure_memory: bool,
+    multi_turn: bool,
+) -> None:
+    """Every repeat of every active strategy on one turn of one prompt (rotated order)."""
+    where = f"prompt {p.index + 1}/{n_prompts}" + (f" turn {p.turn}" if multi_turn else "")
+    for r in range(repeats):
+        for i in run_order(len(active), r):
+            s = active[i]
+            progress.describe(f"{where} ({p.category}) repeat {r + 1}/{repeats}: {s.label}")
+            measurements.append(_measure(s, p, r, len(measurements), measure_memory))
+            progress.advance()
+
+
+def _next_turn(
+    next_turn: NextTurn,
+    p: PreparedPrompt,
+    measurements: list[Measurement],
+    reference: str,
+    active: Sequence[BenchStrategy],
+    repeats: int,
+    last: int,
+    progress: LiveProgress,
+) -> PreparedPrompt | None:
+    """The prompt's next turn built on the reference's answer; None (and every later turn
+    recorded as failed) when the reference has no answer or the turn cannot be built."""
+    ref = [m for m in measurements
+           if (m.strategy, m.prompt_index, m.turn) == (reference, p.index, p.turn)
+           and m.ok and m.output is not None]  # fmt: skip
+    if ref:
+        try:
+            return next_turn(p, min(ref, key=lambda m: m.repeat).output)  # type: ignore[arg-type]
+        except Exception as exc:
+            error = f"turn {p.turn + 1} could not be built: {_describe(exc)}"
+    else:
+        error = f"no context for turn {p.turn + 1}: {reference} has no answer to turn {p.turn}"
+    for turn in range(p.turn + 1, last + 1):
+        for r in range(repeats):
+            for s in active:
+                measurements.append(Measurement(
+                    len(measurements), s.label, p.index, p.prompt.question_id, p.category, r,
+                    False, error=error, turn=turn,
+                ))  # fmt: skip
+                progress.advance()
+    return None
 
 
 def _measure(
     s: BenchStrategy, p: PreparedPrompt, repeat: int, sequence: int, measure_memory: bool
 ) -> Measurement:
-    m = Measurement(sequence, s.label, p.index, p.prompt.question_id, p.category, repeat, True)
+    m = Measurement(sequence, s.label, p.index, p.prompt.question_id, p.category, repeat, True,
+                    turn=p.turn)  # fmt: skip
     if measure_memory:
         reset_peak_memory()
     try:
-        m.output = s.run(list(p.ids))  # type: ignore[misc]
+        m.output = s.run_on(p)
         if repeat > 0 and m.output.rounds is not None:
             m.output.rounds = None  # per-round traces are kept for the first repeat only
     except Exception as exc:
@@ -177,11 +248,11 @@ def _describe(exc: BaseException) -> str:
 
 
 def _update_running(
-    running: dict[str, list[float]], ms: Sequence[Measurement], index: int, reference: str
+    running: dict[str, list[float]], ms: Sequence[Measurement], p: PreparedPrompt, reference: str
 ) -> None:
     rates: dict[str, list[float]] = {}
     for m in ms:
-        if m.prompt_index == index and m.ok and m.output is not None:
+        if (m.prompt_index, m.turn) == (p.index, p.turn) and m.ok and m.output is not None:
             rates.setdefault(m.strategy, []).append(m.output.decode_tokens_per_second)
     ref = rates.get(reference)
     if not ref or statistics.median(ref) <= 0:
@@ -215,8 +286,11 @@ class BenchSettings:
     near_tie: float = NEAR_TIE
     prompts_source: str = "built-in"
     notes: list[str] = field(default_factory=list)
+    turns: str = "first"  # "first": first turns only; "all": every turn of a conversation
 
     def __post_init__(self) -> None:
+        if self.turns not in TURNS:
+            raise ConfigError(f"turns must be one of {', '.join(TURNS)}, got {self.turns!r}")
         if not _is_int(self.repeats) or self.repeats < 1:
             raise ConfigError(f"repeats must be an integer >= 1, got {self.repeats}")
         if not _is_int(self.warmup) or self.warmup < 0:
@@ -245,7 +319,7 @@ class BenchSettings:
             "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
             "seed": self.seed, "ignore_eos": self.ignore_eos, "repeats": self.repeats,
             "warmup": self.warmup, "near_tie_tolerance": self.near_tie,
-            "prompts_source": self.prompts_source,
+            "prompts_source": self.prompts_source, "turns": self.turns,
             "strategy_specs": [s.label for s in self.strategies],
         }  # fmt: skip
 
@@ -265,6 +339,7 @@ class BenchResults:
     reference: str
     notes: list[str]
     model_path: str = ""
+    summary_by_turn: dict[str, dict[str, dict[str, dict[str, Any]]]] | None = None
 
     @property
     def labels(self) -> list[str]:
@@ -283,16 +358,23 @@ class BenchResults:
             "categories": self.categories,
             "strategies": [s.to_dict() for s in self.strategies],
             "prompts": [
-                {"index": p.index, **p.prompt.to_dict(), "prompt_tokens": len(p.ids)}
+                {
+                    "index": p.index,
+                    "turn": p.turn,
+                    **p.prompt.to_dict(),
+                    "prompt_tokens": len(p.ids),
+                }
                 for p in self.prompts
             ],
             "measurements": [m.to_dict() for m in self.measurements],
             "per_prompt": self.per_prompt,
             "summary": self.summary,
+            **({"summary_by_turn": self.summary_by_turn} if self.summary_by_turn else {}),
         }
 
 
 SCHEMA = "specfork-bench/1"
+TURNS = ("first", "all")
 
 
 def run_benchmark(
@@ -327,20 +409,36 @@ def run_benchmark(
             "that learned that prompt's earlier run; measure with recycle_persist=false or "
             "--repeats 1 for figures free of that"
         )
-    prompts = [
-        PreparedPrompt(i, p, generator.encode_prompt(p.text))
-        for i, p in enumerate(settings.prompts)
-    ]
-    longest = max(len(p.ids) for p in prompts) + settings.max_new_tokens + 64  # warm-up included
-    context = min(generator.context, longest)
+    chat = generator.tokenizer.chat_template is not None
+    multi_turn = settings.turns == "all"
+    if multi_turn and not chat and any(p.later_turns for p in settings.prompts):
+        raise ConfigError(
+            f"--turns all puts earlier answers in the context as chat messages, and the model "
+            f"{settings.model} has no chat template; use --turns first"
+        )
+    prompts = [first_turn(generator, i, p, chat) for i, p in enumerate(settings.prompts)]
+    context = min(generator.context, _longest(generator, prompts, settings, multi_turn))
     strategies = _build_strategies(specs, loaded, generator, settings, sampling, notes, context)
     progress = LiveProgress(console, enabled=show_progress and console is not None)
     warmup = BenchPrompt("warm-up", "warm-up", WARMUP_TEXT)
+    later: list[PreparedPrompt] = []  # the later turns, as the run builds them
+
+    def next_turn(p: PreparedPrompt, answer: RunOutput) -> PreparedPrompt:
+        later.append(following_turn(generator, p, answer))
+        return later[-1]
+
     measurements = run_interleaved(
         strategies, prompts, repeats=settings.repeats, warmup=settings.warmup,
         reference=reference, progress=progress,
-        warmup_prompt=PreparedPrompt(-1, warmup, generator.encode_prompt(WARMUP_TEXT)),
+        warmup_prompt=first_turn(generator, -1, warmup, chat),
+        next_turn=next_turn if multi_turn else None,
     )  # fmt: skip
+    prompts = sorted([*prompts, *later], key=lambda p: (p.index, p.turn))
+    built = {(p.index, p.turn) for p in prompts}
+    for m in measurements:  # later turns that could not be built have no rows: say why
+        note = f"question {m.question_id} turn {m.turn} was not run: {m.error}"
+        if (m.prompt_index, m.turn) not in built and note not in notes:
+            notes.append(note)
     for s in strategies:
         if s.error and not s.skipped:
             notes.append(f"{s.label} failed: {s.error}")
@@ -350,12 +448,19 @@ def run_benchmark(
         notes.append("sampling (temperature > 0): greedy match rates are not judged")
     labels = [s.label for s in strategies if not s.skipped]
     categories = list(dict.fromkeys(p.category for p in prompts))
+    text_labels = {s.label for s in strategies if s.family == "openai"}
     per_prompt = per_prompt_figures(
         measurements, labels, prompts, reference=reference,
         gap_fn=lambda ctx: top2_gap(loaded, ctx), greedy=sampling.greedy,
         near_tie=settings.near_tie,
         logprob_fn=lambda prompt, out: target_logprob(loaded, prompt, out),
+        decode_fn=lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True),
+        text_labels=text_labels,
     )  # fmt: skip
+    by_turn = None
+    if multi_turn:
+        by_turn = {str(t): summarize(per_prompt, labels, categories, turn=t)
+                   for t in turns_of(per_prompt)}  # fmt: skip
     return BenchResults(
         settings=settings,
         machine=machine_info(loaded.model.precision, str(loaded.model.device),
@@ -363,7 +468,42 @@ def run_benchmark(
         strategies=strategies, prompts=prompts, measurements=measurements,
         per_prompt=per_prompt, summary=summarize(per_prompt, labels, categories),
         categories=categories, reference=reference, notes=notes, model_path=str(loaded.path),
+        summary_by_turn=by_turn,
     )  # fmt: skip
+
+
+def first_turn(generator: Any, index: int, prompt: BenchPrompt, chat: bool) -> PreparedPrompt:
+    """A prompt's first turn: its text through the chat template (plain text without one)."""
+    messages = [{"role": "user", "content": prompt.text}]
+    ids = generator.encode_prompt(prompt.text)
+    return PreparedPrompt(index, prompt, ids, 1, messages, chat)
+
+
+def following_turn(generator: Any, p: PreparedPrompt, answer: RunOutput) -> PreparedPrompt:
+    """The turn after `p`: its conversation, `answer` as the assistant's message, then the
+    next user message, through the chat template."""
+    text = answer.text
+    if text is None:
+        text = generator.tokenizer.decode(answer.token_ids, skip_special_tokens=True)
+    messages = [*p.messages, {"role": "assistant", "content": text},
+                {"role": "user", "content": p.prompt.turns[p.turn]}]  # fmt: skip
+    return PreparedPrompt(p.index, p.prompt, generator.encode_prompt(messages), p.turn + 1,
+                          messages, p.chat)  # fmt: skip
+
+
+def _longest(
+    generator: Any, prompts: Sequence[PreparedPrompt], settings: BenchSettings, multi_turn: bool
+) -> int:
+    """Tokens a baseline's cache must hold: the longest prompt with its answer (every turn's
+    user message and answer for a multi-turn run, with room for the template), the warm-up."""
+    longest = 0
+    for p in prompts:
+        size = len(p.ids) + settings.max_new_tokens
+        if multi_turn:
+            for text in p.prompt.later_turns:
+                size += len(generator.tokenizer.encode(text)) + settings.max_new_tokens + 32
+        longest = max(longest, size)
+    return longest + 64
 
 
 def _build_strategies(
@@ -385,6 +525,9 @@ def _build_strategies(
             continue
         if spec.family == "llamacpp":
             out.append(_build_llamacpp(spec, loaded, settings, sampling, notes, context))
+            continue
+        if spec.family == "openai":
+            out.append(_build_openai(spec, loaded, settings, sampling, notes))
             continue
         spec = _with_expected_length(spec, settings.max_new_tokens)
         strategy = BenchStrategy(spec.label, "specfork", None, spec.describe())
@@ -451,6 +594,41 @@ def _build_llamacpp(
         spec, target_path=loaded.path, n=settings.max_new_tokens, context=context,
         eos_ids=loaded.tokenizer.eos_ids, sampling=sampling, ignore_eos=settings.ignore_eos,
     )  # fmt: skip
+
+
+def _build_openai(
+    spec: StrategySpec,
+    loaded: Any,
+    settings: BenchSettings,
+    sampling: SamplingParams,
+    notes: list[str],
+) -> BenchStrategy:
+    from specfork.bench import openai_api
+
+    if not openai_api.httpx_available():
+        note = f"httpx is not installed: openai: baselines are skipped ({openai_api.INSTALL})"
+        if note not in notes:
+            notes.append(note)
+        return BenchStrategy(spec.label, "openai", None, spec.describe(),
+                             error="httpx is not installed", skipped=True)  # fmt: skip
+    for note in _openai_notes(settings):
+        if note not in notes:
+            notes.append(note)
+    chat = loaded.tokenizer.chat_template is not None
+    return openai_api.build_openai_strategy(spec, n=settings.max_new_tokens, sampling=sampling,
+                                            ignore_eos=settings.ignore_eos, chat=chat)  # fmt: skip
+
+
+def _openai_notes(settings: BenchSettings) -> list[str]:
+    notes = [
+        "openai: rows are another engine behind its HTTP API (its kernels, tokenizer and "
+        "streaming): their speedup compares engines, tokens are its usage counts, and their "
+        "match with ar compares text, information only"
+    ]
+    if settings.ignore_eos:
+        notes.append("openai: requests carry ignore_eos (vLLM and specfork serve honour it; a "
+                     "server that does not may stop at EOS)")  # fmt: skip
+    return notes
 
 
 def _with_expected_length(spec: StrategySpec, n: int) -> StrategySpec:

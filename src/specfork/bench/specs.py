@@ -21,6 +21,9 @@ Syntax::
   (options ``draft`` = a packaged model name or path, default the first ``model:`` drafter of
   the run or else the target itself, ``k`` = ``num_assistant_tokens`` and ``schedule`` =
   ``num_assistant_tokens_schedule``).
+- ``openai:URL[#model]`` is any OpenAI-compatible server (vLLM, SGLang, llama-server,
+  ``specfork serve``) at its API base URL, e.g. ``openai:http://127.0.0.1:8000/v1#Qwen/Qwen3-0.6B``;
+  without ``#model`` the server's first listed model (`specfork.bench.openai_api`). No options.
 - ``llamacpp:ar`` is llama.cpp's plain decoding of the same GGUF (through llama-cpp-python),
   ``llamacpp:lookup`` its prompt lookup decoding (options ``k``, tokens drafted per step, default
   4, and ``max_ngram``, default 2).
@@ -53,6 +56,7 @@ LLAMACPP_METHODS: dict[str, dict[str, type]] = {
     "lookup": {"k": int, "max_ngram": int},
 }
 BASELINES = {"hf": ("transformers", HF_METHODS), "llamacpp": ("llama.cpp", LLAMACPP_METHODS)}
+SERVER = "openai"  # openai:URL[#model]: an OpenAI-compatible server
 HF_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -64,7 +68,8 @@ class StrategySpec:
     """One parsed strategy spec.
 
     ``family`` is "specfork" (``spec`` is the SpecConfig to run), "hf" or "llamacpp" (``method``
-    is one of that baseline's methods and ``options`` its converted options).
+    is one of that baseline's methods and ``options`` its converted options), or "openai"
+    (``options`` holds the server's ``url`` and the ``model``, None for its first).
     """
 
     label: str
@@ -92,7 +97,7 @@ class StrategySpec:
 def strategy_names() -> tuple[str, ...]:
     """Every strategy name a spec may start with (read at call time: new ones appear here)."""
     names = ["ar", *getattr(_config, "STRATEGIES", ("ar",))]
-    return (*dict.fromkeys(names), *BASELINES)
+    return (*dict.fromkeys(names), *BASELINES, SERVER)
 
 
 def valid_options() -> list[str]:
@@ -108,6 +113,8 @@ def parse_strategy(text: str) -> StrategySpec:
     head, _, query = label.partition("?")
     name, colon, drafter = head.partition(":")
     name = name.strip()
+    if name == SERVER:
+        return _parse_server(label, drafter.strip(), query)
     drafter = drafter.strip()
     names = strategy_names()
     if name not in names:
@@ -222,6 +229,25 @@ def _split_options(query: str, label: str) -> dict[str, str]:
             raise ConfigError(f"strategy spec {label!r}: option {key!r} is given twice")
         options[key] = value.strip()
     return options
+
+
+def _parse_server(label: str, target: str, query: str) -> StrategySpec:
+    """`openai:URL[#model]`: the URL must be http(s) with a host; no options."""
+    from urllib.parse import urlsplit
+
+    example = "e.g. openai:http://127.0.0.1:8000/v1#Qwen/Qwen3-0.6B"
+    if query.strip():
+        raise ConfigError(f"strategy spec {label!r}: openai: takes no options ({example})")
+    url, _, model = target.partition("#")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(
+            f"strategy spec {label!r}: openai: needs the server's http(s) API base URL ({example})"
+        )
+    if "#" in target and not model.strip():
+        raise ConfigError(f"strategy spec {label!r}: nothing after '#' (a model name)")
+    options = {"url": url.strip(), "model": model.strip() or None}
+    return StrategySpec(label, SERVER, method="chat", options=options)
 
 
 def _parse_baseline(label: str, family: str, method: str, raw: dict[str, str]) -> StrategySpec:

@@ -1,14 +1,23 @@
 """The figures of a benchmark: per prompt the median over repeats, per category and overall the
-median over prompts; speedup over the reference, greedy match rates, peak memory."""
+median over prompts; speedup over the reference, greedy match rates, peak memory.
+
+A multi-turn run has a row per (strategy, prompt, turn): each turn is compared with the
+reference's run of the same turn. Rows of strategies that give text, not token ids (another
+engine behind an OpenAI-compatible API), compare their text with the reference's decoded text:
+"text-equal" or "text-differs", information only (another tokenizer, other kernels).
+"""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from specfork.bench.quality import NEAR_TIE, compare_greedy
+from specfork.bench.quality import NEAR_TIE, TEXT_STATUSES, compare_greedy, compare_text
 from specfork.bench.records import OVERALL, PER_RUN, Measurement, PreparedPrompt
+
+MATCHES = ("exact", "near-tie", "text-equal")  # counted as greedy matches
+EXACT = ("exact", "text-equal")  # counted as exact matches
 
 
 def per_prompt_figures(
@@ -21,19 +30,22 @@ def per_prompt_figures(
     greedy: bool = True,
     near_tie: float = NEAR_TIE,
     logprob_fn: Callable[[list[int], list[int]], float | None] | None = None,
+    decode_fn: Callable[[list[int]], str] | None = None,
+    text_labels: Collection[str] = (),
 ) -> list[dict[str, Any]]:
-    """One row per (strategy, prompt): medians over the repeats, speedup, greedy match.
+    """One row per (strategy, prompt, turn): medians over the repeats, speedup, greedy match.
 
     `gap_fn(context_ids)` gives the target's top-2 logit gap after a context; without it (or
     when sampling) greedy matches are not judged. `logprob_fn(prompt, output)` scores the
-    first repeat's output under the target (`target_logprob`).
+    first repeat's output under the target (`target_logprob`). Strategies in `text_labels`
+    are compared by text with the reference's output decoded by `decode_fn`.
     """
-    by_key: dict[tuple[str, int], list[Measurement]] = {}
+    by_key: dict[tuple[str, int, int], list[Measurement]] = {}
     for m in measurements:
-        by_key.setdefault((m.strategy, m.prompt_index), []).append(m)
+        by_key.setdefault((m.strategy, m.prompt_index, m.turn), []).append(m)
     rows = []
     for p in prompts:
-        ref_ok = [m for m in by_key.get((reference, p.index), []) if m.ok and m.output]
+        ref_ok = [m for m in by_key.get((reference, p.index, p.turn), []) if m.ok and m.output]
         ref_tps = _median([m.figure("decode_tokens_per_second") for m in ref_ok])
         ref_ids = min(ref_ok, key=lambda m: m.repeat).output.token_ids if ref_ok else None  # type: ignore[union-attr]
         gaps: dict[int, float] = {}
@@ -44,10 +56,10 @@ def per_prompt_figures(
             return gaps[pos]
 
         for label in strategies:
-            ms = by_key.get((label, p.index), [])
+            ms = by_key.get((label, p.index, p.turn), [])
             ok = [m for m in ms if m.ok and m.output is not None]
             row: dict[str, Any] = {
-                "strategy": label, "prompt_index": p.index,
+                "strategy": label, "prompt_index": p.index, "turn": p.turn,
                 "question_id": p.prompt.question_id, "category": p.category,
                 "runs": len(ok), "failed": len(ms) - len(ok),
                 "errors": sorted({m.error for m in ms if m.error}),
@@ -59,10 +71,12 @@ def per_prompt_figures(
             peaks = [m.peak_rss_mb for m in ms if m.peak_rss_mb is not None]
             row["peak_rss_mb"] = max(peaks) if peaks else None
             match = None
-            if ok and ref_ids is not None and greedy and gap_fn is not None:
-                first = min(ok, key=lambda m: m.repeat).output.token_ids  # type: ignore[union-attr]
-                match = compare_greedy(ref_ids, first, gap_at, near_tie)
             first_out = min(ok, key=lambda m: m.repeat).output if ok else None
+            if label in text_labels:
+                if first_out is not None and ref_ids is not None and greedy and decode_fn:
+                    match = compare_text(decode_fn(ref_ids), first_out.text or "")
+            elif first_out is not None and ref_ids is not None and greedy and gap_fn is not None:
+                match = compare_greedy(ref_ids, first_out.token_ids, gap_at, near_tie)
             score = logprob_fn if logprob_fn is not None and first_out is not None else None
             row["target_logprob"] = score(list(p.ids), first_out.token_ids) if score else None  # type: ignore[union-attr]
             row["greedy_match"] = match.status if match else None
@@ -73,10 +87,16 @@ def per_prompt_figures(
 
 
 def summarize(
-    rows: Sequence[Mapping[str, Any]], strategies: Sequence[str], categories: Sequence[str]
+    rows: Sequence[Mapping[str, Any]],
+    strategies: Sequence[str],
+    categories: Sequence[str],
+    turn: int | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """summary[strategy][category or "overall"][figure]: medians of the per-prompt rows
-    (match rates are fractions of prompts; peak memory is the maximum)."""
+    (match rates are fractions of prompts; peak memory is the maximum); `turn` keeps that
+    turn's rows only (None: every turn's)."""
+    if turn is not None:
+        rows = [r for r in rows if r.get("turn", 1) == turn]
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for label in strategies:
         out[label] = {}
@@ -87,15 +107,22 @@ def summarize(
                 cell[key] = _median([r.get(key) for r in sel])
             judged = [r["greedy_match"] for r in sel if r["greedy_match"] is not None]
             cell["greedy_match_rate"] = (
-                sum(j in ("exact", "near-tie") for j in judged) / len(judged) if judged else None
+                sum(j in MATCHES for j in judged) / len(judged) if judged else None
             )
             cell["exact_match_rate"] = (
-                sum(j == "exact" for j in judged) / len(judged) if judged else None
+                sum(j in EXACT for j in judged) / len(judged) if judged else None
             )
+            if any(j in TEXT_STATUSES for j in judged):
+                cell["match_basis"] = "text"
             peaks = [r["peak_rss_mb"] for r in sel if r["peak_rss_mb"] is not None]
             cell["peak_rss_mb"] = max(peaks) if peaks else None
             out[label][cat] = cell
     return out
+
+
+def turns_of(rows: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The turns the rows cover, in order."""
+    return sorted({int(r.get("turn", 1)) for r in rows})
 
 
 def _median(values: Sequence[float | None]) -> float | None:

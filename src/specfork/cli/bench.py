@@ -17,7 +17,7 @@ from rich.markup import escape
 from specfork.bench.prompts import builtin_prompts, load_prompts, select_prompts
 from specfork.bench.quality import NEAR_TIE
 from specfork.bench.report import check_output_dir, print_tables, write_all
-from specfork.bench.runner import BenchSettings, run_benchmark
+from specfork.bench.runner import TURNS, BenchSettings, run_benchmark
 from specfork.bench.specs import HF_METHODS, ensure_plain, parse_strategies, valid_options
 from specfork.cli.common import add_model_flags, model_options
 from specfork.errors import ConfigError, PromptError
@@ -38,15 +38,21 @@ strategy specs (--strategies, comma-separated, repeatable; the label of each is 
   options    any SpecConfig field: {", ".join(valid_options())}
              (values converted to the field's type; tuples as comma lists)
   baselines  {hf} (need transformers; skipped with a note without it);
-             hf:prompt-lookup?k=N&max_ngram=N, hf:assisted?draft=NAME-or-PATH&k=N
+             hf:prompt-lookup?k=N&max_ngram=N, hf:assisted?draft=NAME-or-PATH&k=N;
+             llamacpp:ar, llamacpp:lookup?k=N&max_ngram=N (need llama-cpp-python);
+             openai:URL[#model]: a running OpenAI-compatible server (vLLM, SGLang,
+             llama-server, specfork serve) streamed through its API, e.g.
+             openai:http://127.0.0.1:8000/v1#Qwen/Qwen3-0.6B (default: its first model;
+             OPENAI_API_KEY is sent when set); text match only, information only
 
 examples:
   specfork bench --strategies ar,speculative:ngram,speculative:self?skip_layers=10-19
   specfork bench --prompts specbench.jsonl --per-category 2 --repeats 3 --out bench-out \\
       --strategies 'ar,speculative:ngram?k=4&k_policy=heuristic,hf:prompt-lookup?k=10'
+  specfork bench --prompts specbench.jsonl --turns all --strategies ar,dspark:ngram
 
-outputs in --out: results.json (every measurement, the machine, the command), report.md,
-speedup.png, acceptance_by_position.png (and dspark_trace.png / fork_wins.png when the
+outputs in --out: results.json.gz (gzip JSON: every measurement, the machine, the command),
+report.md, speedup.png, acceptance_by_position.png (and dspark_trace.png / fork_wins.png when the
 strategies record K/confidence or forks). Exit status 1 when a strategy or run failed.
 """
 
@@ -70,8 +76,16 @@ def add_parser(subparsers: Any) -> None:
         "--prompts",
         type=Path,
         default=None,
-        help='prompt file: Spec-Bench JSONL (first turns), JSONL of {"prompt": ...} or '
+        help='prompt file: Spec-Bench JSONL ({"turns": [...]}), JSONL of {"prompt": ...} or '
         "plain text (one prompt a line); default: 12 built-in prompts",
+    )
+    p.add_argument(
+        "--turns",
+        choices=TURNS,
+        default="first",
+        help="first: each prompt's first turn (default); all: every turn of a multi-turn "
+        "conversation, each later turn after plain decoding's (ar's) own earlier answers, the "
+        "same context for every strategy; figures per turn",
     )
     p.add_argument("--per-category", type=int, default=None, help="first N prompts per category")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts in all")
@@ -134,6 +148,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         near_tie=args.near_tie,
         prompts_source=source,
         notes=notes,
+        turns=args.turns,
     )
 
 
