@@ -111,5 +111,7 @@ class Constraint:
 def _one_line(message: str) -> str:
     """An llguidance message (sometimes several lines with a caret) as one line."""
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    kept = [line for line in lines if not set(line) <= {"^", " "} and not line[:1].isdigit()]
-    return "; ".join(kept[:3]) or "rejected by the grammar compiler"
+    if not lines:
+        return "rejected by the grammar compiler"
+    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return lines[0] if detail is None else f"{lines[0].rstrip(':')} ({detail})"

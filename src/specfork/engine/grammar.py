@@ -116,7 +116,7 @@ class GrammarState:
         """Depth first over the tree: consume, mask, recurse, roll back (row r = node r - 1)."""
         tokens, parents = draft.tokens.tolist(), draft.tree.parents.tolist()
         kids = children(draft.tree)
-        sampled = draft.q is not None
+        sampled = self._keeps_forbidden(draft)
         stack: list[tuple[int, int]] = [(c, 0) for c in reversed(kids[0])]  # (node, depth)
         depth = 0  # tokens consumed beyond the root state
         while stack:
@@ -137,6 +137,11 @@ class GrammarState:
             stack.extend((c, node_depth + 1) for c in reversed(kids[node + 1]))
         if depth:
             self.matcher.rollback(depth)
+
+    @staticmethod
+    def _keeps_forbidden(draft: Draft) -> bool:
+        """Whether forbidden nodes stay as leaves: when their tokens were sampled from q."""
+        return draft.q is not None
 
     def _pruned(
         self, draft: Draft, bits: torch.Tensor, keep: list[bool]
