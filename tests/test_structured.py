@@ -16,14 +16,18 @@ step. What is checked:
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 from tests.distribution import goodness_of_fit
 from tests.tiny_models import randomize
 
+from specfork.cli import bench as bench_command
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.constraint import Constraint
 from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
@@ -63,7 +67,7 @@ TINY_SPECS = {
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama with a byte-level tokenizer (one token per byte)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -83,7 +87,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     model = LlamaForCausalLM(cfg)
     randomize(model, seed=3, norm_center=1.0)
     model.save_pretrained(folder)
-    return load_model(str(folder), dtype="float32", device="cpu", progress=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder: Path) -> LoadedModel:
+    return load_model(str(tiny_folder), dtype="float32", device="cpu", progress=False)
 
 
 def _state(loaded: LoadedModel, constraint: Constraint) -> GrammarState:
@@ -236,6 +245,49 @@ def test_unusable_tokenizer_is_a_config_error(tiny: LoadedModel) -> None:
 
     with pytest.raises(ConfigError, match="drop the JSON schema"):
         grammar_tokenizer(NoBackend(), 260)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_bench_runs_constrained(tiny_folder: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Go."]}) + "\n")
+    out = tmp_path / "out"
+    argv = [
+        "bench",
+        "--model",
+        str(tiny_folder),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--prompts",
+        str(prompts),
+        "-n",
+        "80",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+        "--quiet",
+        "--no-plots",
+        "--regex",
+        RECORD,
+        "--prompt-suffix",
+        " As a record.",
+        "--strategies",
+        "ar,speculative:ngram?k=4,dspark:ngram,spork:recycle+ngram",
+    ]
+    parser = argparse.ArgumentParser(prog="specfork")
+    bench_command.add_parser(parser.add_subparsers(dest="command"))
+    assert bench_command.run(parser.parse_args(argv), Console(stderr=True)) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["settings"]["constraint"] == {"kind": "regex", "source": RECORD}
+    for label, by_cat in doc["summary"].items():
+        assert by_cat["overall"]["valid_rate"] == 1.0, label
+        assert by_cat["overall"]["exact_match_rate"] == 1.0, label
+    assert "output valid" in (out / "report.md").read_text()
+    with pytest.raises(ConfigError, match="cannot run constrained"):
+        bench_command.run(parser.parse_args([*argv[:-1], "ar,hf:ar"]), Console(stderr=True))
 
 
 # ----------------------------------------------------------------------------- 4. sampling

@@ -74,6 +74,12 @@ def fmt(key: str, value: Any) -> str:
     return _FORMATS.get(key, "{}").format(value)
 
 
+def _figures(doc: Mapping[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    """The report's figures: "output valid" only for a constrained run."""
+    constrained = doc["settings"].get("constraint") is not None
+    return tuple(f for f in FIGURES if constrained or f[0] != "valid_rate")
+
+
 def _rows(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Strategies with figures (skipped ones have none), in the order given."""
     return [s for s in doc["strategies"] if s["status"] != "skipped"]
@@ -90,7 +96,7 @@ def print_tables(doc: Mapping[str, Any], console: Console) -> None:
     if not console.is_terminal and console.width < 160:  # a file or a pipe: no width to keep
         console = Console(file=console.file, width=160)
     summary = doc["summary"]
-    drafting = tuple(k for k, _, _ in FIGURES if k not in _SPEED)
+    drafting = tuple(k for k, _, _ in _figures(doc) if k not in _SPEED)
     for title, keys in (
         (f"overall speed (medians; speedup over {doc['reference']})", _SPEED),
         ("overall drafting and greedy match (medians)", drafting),
@@ -141,7 +147,9 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
         f"Command: `{m['command']}`",
         "",
         f"{n_prompts} prompts from {st['prompts_source']} ({len(doc['categories'])} categories), "
-        f"first turn with the chat template; {st['max_new_tokens']} new tokens at most"
+        f"first turn with the chat template"
+        f"{' + ' + repr(st['prompt_suffix']) if st.get('prompt_suffix') else ''}; "
+        f"{st['max_new_tokens']} new tokens at most"
         f"{' (EOS ignored)' if st['ignore_eos'] else ''}, temperature {st['temperature']}; "
         f"warm-up {st['warmup']}, then prompt by prompt with every strategy interleaved, "
         f"{st['repeats']} repeat(s). Figures: per prompt the median over repeats; per category "
@@ -153,11 +161,20 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
         "high-water mark during a strategy's runs (all loaded models count).",
         "",
     ]
+    constraint = st.get("constraint")
+    if constraint is not None:
+        what = constraint["kind"] + (f" `{constraint['source']}`" if constraint["source"] else "")
+        lines += [
+            f"Structured output: every run is constrained to {what} (the grammar's mask on the "
+            "target and the drafts); output valid = the output is complete and parses.",
+            "",
+        ]
     if doc.get("notes"):
         lines += ["Notes:", "", *(f"- {n}" for n in doc["notes"]), ""]
+    figures = _figures(doc)
     lines += ["## Overall", "", _md_table(
-        ["strategy", *(t for _, t, _ in FIGURES)],
-        [[s["label"], *(fmt(k, doc["summary"][s["label"]][OVERALL].get(k)) for k, _, _ in FIGURES)]
+        ["strategy", *(t for _, t, _ in figures)],
+        [[s["label"], *(fmt(k, doc["summary"][s["label"]][OVERALL].get(k)) for k, _, _ in figures)]
          for s in _rows(doc)],
     ), ""]  # fmt: skip
     for key in _BY_CATEGORY:

@@ -41,6 +41,7 @@ from specfork.bench.records import BenchStrategy, Measurement, PreparedPrompt, R
 from specfork.bench.specs import StrategySpec
 from specfork.bench.summary import per_prompt_figures, summarize
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.constraint import Constraint
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import DTYPES, Model, resolve_dtype
 
@@ -75,6 +76,10 @@ def specfork_runner(
         res = generator.generate(list(ids), config=config, sampling=sampling, spec=spec.spec)
         wall = time.perf_counter() - t0
         s = res.stats
+        constraint = config.constraint
+        valid = None
+        if constraint is not None:
+            valid = res.finish_reason == "stop" and constraint.matches(res.text)
         return RunOutput(
             token_ids=list(res.token_ids), new_tokens=s.new_tokens,
             decode_tokens_per_second=s.decode_tokens_per_second,
@@ -85,6 +90,7 @@ def specfork_runner(
             accepted_by_position=list(s.accepted_by_position),
             drafted_by_position=list(s.drafted_by_position),
             rounds=[round_dict(r) for r in s.rounds], finish_reason=res.finish_reason,
+            valid=valid,
         )  # fmt: skip
 
     return run
@@ -213,7 +219,9 @@ class BenchSettings:
     repeats: int = 3
     warmup: int = 1
     near_tie: float = NEAR_TIE
+    constraint: Constraint | None = None  # structured output: every run must match it
     prompts_source: str = "built-in"
+    prompt_suffix: str = ""  # appended to every prompt (e.g. "Answer in JSON.")
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -229,11 +237,18 @@ class BenchSettings:
             raise ConfigError("no strategies to run")
         self.generation_config()
         self.sampling()
+        baselines = [s.label for s in self.strategies if s.family != "specfork"]
+        if self.constraint is not None and baselines:
+            raise ConfigError(
+                f"{', '.join(baselines)} cannot run constrained (structured output is "
+                "specfork's); drop them or the --json / --json-schema / --regex flag"
+            )
 
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig(
-            max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos, exact=self.exact
-        )
+            max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos, exact=self.exact,
+            constraint=self.constraint,
+        )  # fmt: skip
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, seed=self.seed)
@@ -245,7 +260,9 @@ class BenchSettings:
             "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
             "seed": self.seed, "ignore_eos": self.ignore_eos, "repeats": self.repeats,
             "warmup": self.warmup, "near_tie_tolerance": self.near_tie,
-            "prompts_source": self.prompts_source,
+            "prompts_source": self.prompts_source, "prompt_suffix": self.prompt_suffix,
+            "constraint": None if self.constraint is None else {
+                "kind": self.constraint.kind, "source": self.constraint.source},
             "strategy_specs": [s.label for s in self.strategies],
         }  # fmt: skip
 
@@ -328,7 +345,7 @@ def run_benchmark(
             "--repeats 1 for figures free of that"
         )
     prompts = [
-        PreparedPrompt(i, p, generator.encode_prompt(p.text))
+        PreparedPrompt(i, p, generator.encode_prompt(p.text + settings.prompt_suffix))
         for i, p in enumerate(settings.prompts)
     ]
     longest = max(len(p.ids) for p in prompts) + settings.max_new_tokens + 64  # warm-up included

@@ -58,6 +58,7 @@ def per_prompt_figures(
             row["speedup"] = tps / ref_tps if tps is not None and ref_tps else None
             peaks = [m.peak_rss_mb for m in ms if m.peak_rss_mb is not None]
             row["peak_rss_mb"] = max(peaks) if peaks else None
+            row["valid_rate"] = _mean([m.output.valid for m in ok])  # type: ignore[union-attr]
             match = None
             if ok and ref_ids is not None and greedy and gap_fn is not None:
                 first = min(ok, key=lambda m: m.repeat).output.token_ids  # type: ignore[union-attr]
@@ -92,10 +93,17 @@ def summarize(
             cell["exact_match_rate"] = (
                 sum(j == "exact" for j in judged) / len(judged) if judged else None
             )
+            cell["valid_rate"] = _mean([r.get("valid_rate") for r in sel])
             peaks = [r["peak_rss_mb"] for r in sel if r["peak_rss_mb"] is not None]
             cell["peak_rss_mb"] = max(peaks) if peaks else None
             out[label][cat] = cell
     return out
+
+
+def _mean(values: Sequence[float | bool | None]) -> float | None:
+    """The mean of the values that exist (a share, for booleans); None when none do."""
+    vals = [float(v) for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
 
 
 def _median(values: Sequence[float | None]) -> float | None:
