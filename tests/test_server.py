@@ -303,11 +303,13 @@ BAD = [
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("completions", {"prompt": "hi", "exact": 1}, "exact"),
     ("completions", {"prompt": [1, 99999999]}, "prompt"),
-    ("chat/completions", {"messages": MESSAGES, "response_format": {"type": "yaml"}}, "response_format"),
+    ("chat/completions", {"messages": MESSAGES, "response_format": {"type": "yaml"}},
+     "response_format"),
     ("chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
      "response_format.json_schema"),
-    ("chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "integr"}}}}, "response_format"),
+    ("chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integr"}}}},
+     "response_format"),
     ("completions", {"prompt": "hi", "response_format": {"type": "regex", "regex": "(("}},
      "response_format"),
 ]  # fmt: skip
