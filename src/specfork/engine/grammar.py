@@ -25,7 +25,6 @@ import time
 
 import llguidance
 import torch
-from llguidance.torch import fill_next_token_bitmask
 
 from specfork.constraint import Constraint
 from specfork.drafters.base import Draft
@@ -155,7 +154,8 @@ class GrammarState:
         return pruned, self._unpack(bits[rows])
 
     def _fill(self, bits: torch.Tensor, row: int) -> None:
-        fill_next_token_bitmask(self.matcher, bits, row)
+        words = bits[row]  # [W] int32, contiguous: a row of a contiguous tensor
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         self.masks += 1
         if self.matcher.is_error():
             raise RuntimeError(f"the grammar matcher failed: {self._error()}")
