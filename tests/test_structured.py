@@ -24,9 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
-from tests.distribution import goodness_of_fit
-from tests.tiny_models import randomize
 
+from distribution import goodness_of_fit
 from specfork.cli import bench as bench_command
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.constraint import Constraint
@@ -39,6 +38,7 @@ from specfork.loading.loader import LoadedModel, load_model
 from specfork.sampling import probabilities, sample
 from specfork.tree import Tree
 from specfork.verify import verify_sampling
+from tiny_models import randomize
 
 CHAT = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
