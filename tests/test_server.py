@@ -303,7 +303,16 @@ BAD = [
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("completions", {"prompt": "hi", "exact": 1}, "exact"),
     ("completions", {"prompt": [1, 99999999]}, "prompt"),
-]
+    ("chat/completions", {"messages": MESSAGES, "response_format": {"type": "yaml"}},
+     "response_format"),
+    ("chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ("chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integr"}}}},
+     "response_format"),
+    ("completions", {"prompt": "hi", "response_format": {"type": "regex", "regex": "(("}},
+     "response_format"),
+]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -317,6 +326,38 @@ def test_bad_input_is_400(served: Served, path: str, body: bytes | dict, param: 
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ar", "spork"])
+def test_response_format_json_schema_matches_library(served: Served, strategy: str) -> None:
+    from specfork.constraint import Constraint
+
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    resp = served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=64, temperature=0, response_format=fmt,
+        extra_body={} if strategy == "ar" else {"speculative": STRATEGIES[strategy]},
+    )  # fmt: skip
+    text = resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"
+    assert set(json.loads(text)) == {"name", "age"}
+    config = GenerationConfig(max_new_tokens=64, constraint=Constraint.json_schema(PERSON))
+    ref = served.reference.generate(messages, config=config, spec=_spec(strategy))
+    assert text == ref.text
+    plain = served.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=64, temperature=0,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert isinstance(json.loads(plain.choices[0].message.content), dict)
 
 
 @pytest.mark.slow

@@ -553,7 +553,40 @@ CORPUS = [
     C(
         "response-format-json",
         CHAT,
-        {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+        {"messages": MESSAGES, "max_tokens": 4, "response_format": {"type": "json_object"}},
+        may_succeed=True,
+    ),
+    C("response-format-string", CHAT, {"messages": MESSAGES, "response_format": "json"}),
+    C("response-format-unknown", CHAT, {"messages": MESSAGES, "response_format": {"type": "x"}}),
+    C(
+        "response-format-no-schema",
+        CHAT,
+        {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
+    ),
+    C(
+        "response-format-bad-schema",
+        CHAT,
+        {
+            "messages": MESSAGES,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "integr"}},
+            },
+        },
+    ),
+    C(
+        "response-format-schema-list",
+        CHAT,
+        {
+            "messages": MESSAGES,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
+        },
+    ),
+    C("response-format-bad-regex", CMPL, ok(response_format={"type": "regex", "regex": "(("})),
+    C(
+        "response-format-huge-regex",
+        CMPL,
+        ok(response_format={"type": "regex", "regex": "a" * 200_000}),
     ),
     C("functions-field", CHAT, {"messages": MESSAGES, "functions": []}),
     C("unknown-field", CMPL, ok(max_token=4)),

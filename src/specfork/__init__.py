@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "GenerationConfig": "specfork.config",
     "SamplingParams": "specfork.config",
+    "Constraint": "specfork.constraint",
     "ModelConfig": "specfork.config",
     "Generator": "specfork.engine",
     "GenerationResult": "specfork.engine",

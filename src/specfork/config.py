@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from specfork.constraint import Constraint
 from specfork.errors import ConfigError
 
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
@@ -181,10 +182,17 @@ class GenerationConfig:
     exact: bool = False  # demand output bitwise equal to plain decoding (batch-invariant steps)
     max_seconds: float | None = None  # decoding time limit (finish reason "time"); None: none
     logprobs: int | None = None  # None: no log-probabilities; n: the emitted token's and top n
+    # the output must match it (JSON schema, any JSON object, regex); its end ends the output
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.exact, bool) or not isinstance(self.ignore_eos, bool):
             raise ConfigError("exact and ignore_eos must be true or false")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ConfigError(
+                "constraint must be a specfork.Constraint (Constraint.json_schema(...), "
+                f".json_object() or .regex(...)), got {type(self.constraint).__name__}"
+            )
         t = self.max_seconds
         if t is not None and not (_is_number(t) and t > 0):
             raise ConfigError(f"max_seconds must be a number > 0 (or None), got {t!r}")

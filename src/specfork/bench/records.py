@@ -20,6 +20,7 @@ FIGURES: tuple[tuple[str, str, str], ...] = (
     ("time_to_first_token", "TTFT (s)", "{:.3f}"),
     ("target_forwards_per_token", "target fwd/token", "{:.2f}"),
     ("wasted_drafts_per_token", "wasted drafts/token", "{:.2f}"),
+    ("valid_rate", "output valid", "{:.0%}"),  # constrained runs: the output parses
     ("greedy_match_rate", "greedy match", "{:.0%}"),
     ("exact_match_rate", "exact match", "{:.0%}"),
     ("target_logprob", "target log p/token", "{:.3f}"),
@@ -55,6 +56,7 @@ class RunOutput:
     rounds: list[dict] | None = None
     finish_reason: str | None = None
     text: str | None = None  # the output as text, from runners that get no token ids (openai:)
+    valid: bool | None = None  # a constrained run: the output is complete and parses
 
 
 @dataclass
@@ -170,6 +172,7 @@ class Measurement:
                 output_tokens=len(o.token_ids),
                 new_tokens=o.new_tokens,
                 finish_reason=o.finish_reason,
+                valid=o.valid,
                 wall_seconds=o.wall_seconds,
                 target_forwards=o.target_forwards,
                 draft_forwards=o.draft_forwards,

@@ -95,6 +95,12 @@ def turn_summaries(doc: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return sorted(by_turn.items(), key=lambda item: int(item[0]))
 
 
+def _figures(doc: Mapping[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    """The report's figures: "output valid" only for a constrained run."""
+    constrained = doc["settings"].get("constraint") is not None
+    return tuple(f for f in FIGURES if constrained or f[0] != "valid_rate")
+
+
 def _rows(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Strategies with figures (skipped ones have none), in the order given."""
     return [s for s in doc["strategies"] if s["status"] != "skipped"]
@@ -111,7 +117,7 @@ def print_tables(doc: Mapping[str, Any], console: Console) -> None:
     if not console.is_terminal and console.width < 160:  # a file or a pipe: no width to keep
         console = Console(file=console.file, width=160)
     summary = doc["summary"]
-    drafting = tuple(k for k, _, _ in FIGURES if k not in _SPEED)
+    drafting = tuple(k for k, _, _ in _figures(doc) if k not in _SPEED)
     tables = [
         (f"overall speed (medians; speedup over {doc['reference']})", _SPEED, summary),
         ("overall drafting and greedy match (medians)", drafting, summary),
@@ -205,7 +211,9 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
         f"Command: `{m['command']}`",
         "",
         f"{n_prompts} prompts from {st['prompts_source']} ({len(doc['categories'])} categories), "
-        f"{_turns_text(doc)}; {st['max_new_tokens']} new tokens at most"
+        f"{_turns_text(doc)}"
+        f"{' + ' + repr(st['prompt_suffix']) if st.get('prompt_suffix') else ''}; "
+        f"{st['max_new_tokens']} new tokens at most"
         f"{' (EOS ignored)' if st['ignore_eos'] else ''}, temperature {st['temperature']}; "
         f"warm-up {st['warmup']}, then prompt by prompt with every strategy interleaved, "
         f"{st['repeats']} repeat(s). Figures: per prompt the median over repeats; per category "
@@ -217,6 +225,14 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
         "high-water mark during a strategy's runs (all loaded models count).",
         "",
     ]
+    constraint = st.get("constraint")
+    if constraint is not None:
+        what = constraint["kind"] + (f" `{constraint['source']}`" if constraint["source"] else "")
+        lines += [
+            f"Structured output: every run is constrained to {what} (the grammar's mask on the "
+            "target and the drafts); output valid = the output is complete and parses.",
+            "",
+        ]
     if doc.get("notes"):
         lines += ["Notes:", "", *(f"- {n}" for n in doc["notes"]), ""]
     if any(c.get("match_basis") == "text" for s in doc["summary"].values() for c in s.values()):
@@ -256,9 +272,10 @@ def _turns_text(doc: Mapping[str, Any]) -> str:
 
 
 def _overall_table(doc: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
+    figures = _figures(doc)
     return _md_table(
-        ["strategy", *(t for _, t, _ in FIGURES)],
-        [[s["label"], *(fmt_cell(k, summary[s["label"]][OVERALL]) for k, _, _ in FIGURES)]
+        ["strategy", *(t for _, t, _ in figures)],
+        [[s["label"], *(fmt_cell(k, summary[s["label"]][OVERALL]) for k, _, _ in figures)]
          for s in _rows(doc)],
     )  # fmt: skip
 

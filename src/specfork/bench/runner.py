@@ -46,6 +46,7 @@ from specfork.bench.records import BenchStrategy, Measurement, PreparedPrompt, R
 from specfork.bench.specs import StrategySpec
 from specfork.bench.summary import per_prompt_figures, summarize, turns_of
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.constraint import Constraint
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import DTYPES, Model, resolve_dtype
 
@@ -80,6 +81,10 @@ def specfork_runner(
         res = generator.generate(list(ids), config=config, sampling=sampling, spec=spec.spec)
         wall = time.perf_counter() - t0
         s = res.stats
+        constraint = config.constraint
+        valid = None
+        if constraint is not None:
+            valid = res.finish_reason == "stop" and constraint.matches(res.text)
         return RunOutput(
             token_ids=list(res.token_ids), new_tokens=s.new_tokens,
             decode_tokens_per_second=s.decode_tokens_per_second,
@@ -90,6 +95,7 @@ def specfork_runner(
             accepted_by_position=list(s.accepted_by_position),
             drafted_by_position=list(s.drafted_by_position),
             rounds=[round_dict(r) for r in s.rounds], finish_reason=res.finish_reason,
+            valid=valid,
         )  # fmt: skip
 
     return run
@@ -284,7 +290,9 @@ class BenchSettings:
     repeats: int = 3
     warmup: int = 1
     near_tie: float = NEAR_TIE
+    constraint: Constraint | None = None  # structured output: every run must match it
     prompts_source: str = "built-in"
+    prompt_suffix: str = ""  # appended to every prompt (e.g. "Answer in JSON.")
     notes: list[str] = field(default_factory=list)
     turns: str = "first"  # "first": first turns only; "all": every turn of a conversation
 
@@ -303,11 +311,18 @@ class BenchSettings:
             raise ConfigError("no strategies to run")
         self.generation_config()
         self.sampling()
+        baselines = [s.label for s in self.strategies if s.family != "specfork"]
+        if self.constraint is not None and baselines:
+            raise ConfigError(
+                f"{', '.join(baselines)} cannot run constrained (structured output is "
+                "specfork's); drop them or the --json / --json-schema / --regex flag"
+            )
 
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig(
-            max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos, exact=self.exact
-        )
+            max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos, exact=self.exact,
+            constraint=self.constraint,
+        )  # fmt: skip
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, seed=self.seed)
@@ -320,6 +335,9 @@ class BenchSettings:
             "seed": self.seed, "ignore_eos": self.ignore_eos, "repeats": self.repeats,
             "warmup": self.warmup, "near_tie_tolerance": self.near_tie,
             "prompts_source": self.prompts_source, "turns": self.turns,
+            "prompt_suffix": self.prompt_suffix,
+            "constraint": None if self.constraint is None else {
+                "kind": self.constraint.kind, "source": self.constraint.source},
             "strategy_specs": [s.label for s in self.strategies],
         }  # fmt: skip
 
@@ -416,7 +434,8 @@ def run_benchmark(
             f"--turns all puts earlier answers in the context as chat messages, and the model "
             f"{settings.model} has no chat template; use --turns first"
         )
-    prompts = [first_turn(generator, i, p, chat) for i, p in enumerate(settings.prompts)]
+    suffix = settings.prompt_suffix
+    prompts = [first_turn(generator, i, p, chat, suffix) for i, p in enumerate(settings.prompts)]
     context = min(generator.context, _longest(generator, prompts, settings, multi_turn))
     strategies = _build_strategies(specs, loaded, generator, settings, sampling, notes, context)
     progress = LiveProgress(console, enabled=show_progress and console is not None)
@@ -424,7 +443,7 @@ def run_benchmark(
     later: list[PreparedPrompt] = []  # the later turns, as the run builds them
 
     def next_turn(p: PreparedPrompt, answer: RunOutput) -> PreparedPrompt:
-        later.append(following_turn(generator, p, answer))
+        later.append(following_turn(generator, p, answer, suffix))
         return later[-1]
 
     measurements = run_interleaved(
@@ -472,21 +491,26 @@ def run_benchmark(
     )  # fmt: skip
 
 
-def first_turn(generator: Any, index: int, prompt: BenchPrompt, chat: bool) -> PreparedPrompt:
-    """A prompt's first turn: its text through the chat template (plain text without one)."""
-    messages = [{"role": "user", "content": prompt.text}]
-    ids = generator.encode_prompt(prompt.text)
+def first_turn(
+    generator: Any, index: int, prompt: BenchPrompt, chat: bool, suffix: str = ""
+) -> PreparedPrompt:
+    """A prompt's first turn: its text (+ `suffix`) through the chat template (plain text
+    without one)."""
+    messages = [{"role": "user", "content": prompt.text + suffix}]
+    ids = generator.encode_prompt(prompt.text + suffix)
     return PreparedPrompt(index, prompt, ids, 1, messages, chat)
 
 
-def following_turn(generator: Any, p: PreparedPrompt, answer: RunOutput) -> PreparedPrompt:
+def following_turn(
+    generator: Any, p: PreparedPrompt, answer: RunOutput, suffix: str = ""
+) -> PreparedPrompt:
     """The turn after `p`: its conversation, `answer` as the assistant's message, then the
-    next user message, through the chat template."""
+    next user message (+ `suffix`), through the chat template."""
     text = answer.text
     if text is None:
         text = generator.tokenizer.decode(answer.token_ids, skip_special_tokens=True)
     messages = [*p.messages, {"role": "assistant", "content": text},
-                {"role": "user", "content": p.prompt.turns[p.turn]}]  # fmt: skip
+                {"role": "user", "content": p.prompt.turns[p.turn] + suffix}]  # fmt: skip
     return PreparedPrompt(p.index, p.prompt, generator.encode_prompt(messages), p.turn + 1,
                           messages, p.chat)  # fmt: skip
 

@@ -70,6 +70,7 @@ def per_prompt_figures(
             row["speedup"] = tps / ref_tps if tps is not None and ref_tps else None
             peaks = [m.peak_rss_mb for m in ms if m.peak_rss_mb is not None]
             row["peak_rss_mb"] = max(peaks) if peaks else None
+            row["valid_rate"] = _mean([m.output.valid for m in ok])  # type: ignore[union-attr]
             match = None
             first_out = min(ok, key=lambda m: m.repeat).output if ok else None
             if label in text_labels:
@@ -114,6 +115,7 @@ def summarize(
             )
             if any(j in TEXT_STATUSES for j in judged):
                 cell["match_basis"] = "text"
+            cell["valid_rate"] = _mean([r.get("valid_rate") for r in sel])
             peaks = [r["peak_rss_mb"] for r in sel if r["peak_rss_mb"] is not None]
             cell["peak_rss_mb"] = max(peaks) if peaks else None
             out[label][cat] = cell
@@ -123,6 +125,12 @@ def summarize(
 def turns_of(rows: Sequence[Mapping[str, Any]]) -> list[int]:
     """The turns the rows cover, in order."""
     return sorted({int(r.get("turn", 1)) for r in rows})
+
+
+def _mean(values: Sequence[float | bool | None]) -> float | None:
+    """The mean of the values that exist (a share, for booleans); None when none do."""
+    vals = [float(v) for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
 
 
 def _median(values: Sequence[float | None]) -> float | None:

@@ -19,7 +19,12 @@ from specfork.bench.quality import NEAR_TIE
 from specfork.bench.report import check_output_dir, print_tables, write_all
 from specfork.bench.runner import TURNS, BenchSettings, run_benchmark
 from specfork.bench.specs import HF_METHODS, ensure_plain, parse_strategies, valid_options
-from specfork.cli.common import add_model_flags, model_options
+from specfork.cli.common import (
+    add_constraint_flags,
+    add_model_flags,
+    constraint_from_args,
+    model_options,
+)
 from specfork.errors import ConfigError, PromptError
 
 DEFAULT_STRATEGIES = (
@@ -108,6 +113,13 @@ def add_parser(subparsers: Any) -> None:
         default=NEAR_TIE,
         help="top-2 logit gap under which a greedy difference is a rounding near-tie",
     )
+    add_constraint_flags(p)
+    p.add_argument(
+        "--prompt-suffix",
+        default="",
+        metavar="TEXT",
+        help="append TEXT to every prompt (e.g. ' Answer with a JSON object.' with --json)",
+    )
     p.add_argument("--out", "-o", type=Path, default=Path("bench-out"), help="output folder")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
@@ -146,6 +158,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         repeats=args.repeats,
         warmup=args.warmup,
         near_tie=args.near_tie,
+        constraint=constraint_from_args(args),
+        prompt_suffix=args.prompt_suffix,
         prompts_source=source,
         notes=notes,
         turns=args.turns,

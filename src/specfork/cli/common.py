@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specfork.config import STRATEGIES, SamplingParams, SpecConfig
+from specfork.constraint import Constraint
 from specfork.errors import ConfigError, SpecforkError
 from specfork.loading.registry import DEFAULT_MODEL
 from specfork.spec_schema import (
@@ -210,3 +211,41 @@ def read_first_turns(path: Path) -> list[str]:
     from specfork.bench.prompts import load_prompts
 
     return [p.text for p in load_prompts(path)]
+
+
+def add_constraint_flags(p: argparse.ArgumentParser) -> None:
+    """--json-schema / --json / --regex: what the output must match (one at most)."""
+    group = p.add_argument_group("structured output (the whole output must match)")
+    one = group.add_mutually_exclusive_group()
+    one.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE_OR_JSON",
+        help="output JSON that follows this JSON schema (a file, or the schema itself)",
+    )
+    one.add_argument("--json", action="store_true", help="output any valid JSON object")
+    one.add_argument(
+        "--regex", default=None, metavar="PATTERN", help="output text matching this regex"
+    )
+
+
+def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
+    """The constraint the flags describe (validated: a bad schema or regex fails here)."""
+    if args.json:
+        return Constraint.json_object()
+    if args.regex is not None:
+        return Constraint.regex(args.regex)
+    if args.json_schema is None:
+        return None
+    text = args.json_schema.strip()
+    if not text.startswith("{"):
+        path = Path(text)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or exc
+            raise ConfigError(
+                f"--json-schema {args.json_schema!r}: cannot read the schema file ({reason}); "
+                "give a file holding a JSON schema, or the schema itself ('{...}')"
+            ) from None
+    return Constraint.json_schema(text)

@@ -14,10 +14,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from specfork.cli.common import (
+    add_constraint_flags,
     add_model_flags,
     add_sampling_flags,
     add_spec_flags,
     check_writable,
+    constraint_from_args,
     model_options,
     read_prompt,
     sampling_from_args,
@@ -68,6 +70,7 @@ def add_parser(sub: Any) -> None:
     )
     gen.add_argument("--quiet", "-q", action="store_true", help="no progress or stats on stderr")
     add_sampling_flags(gen)
+    add_constraint_flags(gen)
     add_spec_flags(gen)
     g = gen.add_argument_group("reports")
     g.add_argument("--stats", action="store_true", help="print all request stats to stderr")
@@ -100,6 +103,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
         exact=args.exact,
         max_seconds=args.max_seconds,
         logprobs=args.logprobs,
+        constraint=constraint_from_args(args),
     )
     check_writable(args.trace, "trace file")
     spec = spec_from_args(args, expected_length=args.max_new_tokens)

@@ -14,15 +14,17 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
+import llguidance
 import torch
 
 from specfork.cache import KVCache
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Drafter, Feedback, check_drafter, start
+from specfork.engine.grammar import GrammarState, grammar_tokenizer
 from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.output import OutputBuilder
 from specfork.engine.request import Request
-from specfork.engine.round import run_round
+from specfork.engine.round import constrained, run_round
 from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import LoadedModel
@@ -134,6 +136,7 @@ class Generator:
         self._free_caches: list[KVCache] = []  # caches of finished requests, for reuse
         self._warned_thread = False
         self._cost_curve = cost_curve  # None: the model's own, measured once (goodput.py)
+        self._grammar_tokenizer: llguidance.LLTokenizer | None = None  # built at first use
 
     # -- prompts ------------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
@@ -236,13 +239,20 @@ class Generator:
         with torch.inference_mode():
             logits = self._prefill(req)  # [V]
             stats.prefill_seconds = time.perf_counter() - t0
-            tokens = [next_token(logits, sampling, req.rng)]
+            grammar = req.grammar
+            allowed = None if grammar is None else grammar.mask()  # [V]
+            chosen = logits if allowed is None else constrained(logits, allowed)
+            tokens = [next_token(chosen, sampling, req.rng)]
+            if grammar is not None:
+                tokens = grammar.advance(tokens)
             req.note_logprobs(logits[None], [0], tokens)
         stats.time_to_first_token = time.perf_counter() - t0
         t1 = time.perf_counter()
         limit = out.config.max_seconds
         while True:
             self._take(req, tokens)
+            if req.grammar is not None and req.grammar.finished:
+                out.finish("stop")  # the constraint is complete: only an end could follow
             yield out.new_text()
             if out.done:
                 break
@@ -255,6 +265,8 @@ class Generator:
             with torch.inference_mode():
                 tokens = run_round(self.model, req)
         stats.decode_seconds = time.perf_counter() - t1
+        if req.grammar is not None:
+            stats.grammar_seconds = req.grammar.mask_seconds
         yield out.new_text()
         ids = req.prompt_ids
         reason = out.finish_reason or "length"
@@ -292,7 +304,18 @@ class Generator:
             drafter=start(self.drafter, ids) if drafting else None,
             policy=self.policy.begin() if drafting else None,
             gate=self._new_gate(),
+            grammar=self._grammar(config),
         )
+
+    def _grammar(self, config: GenerationConfig) -> GrammarState | None:
+        """The grammar state of a constrained request (the model's grammar tokenizer is built
+        at the first one and kept)."""
+        if config.constraint is None:
+            return None
+        vocab = self.model.config.vocab_size
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, vocab)
+        return GrammarState(config.constraint, self._grammar_tokenizer, vocab)
 
     def _prefill(self, req: Request) -> torch.Tensor:
         """Run the prompt; a drafter that learns from the target's logits or hidden states

@@ -15,6 +15,7 @@ import torch
 from specfork.cache import KVCache
 from specfork.config import SamplingParams, SpecConfig
 from specfork.drafters.base import Drafter
+from specfork.engine.grammar import GrammarState
 from specfork.engine.logprobs import TokenLogprob, token_logprobs
 from specfork.engine.output import OutputBuilder
 from specfork.engine.stats import GenerationStats
@@ -36,6 +37,7 @@ class Request:
     drafter: Drafter | None = None
     policy: DraftPolicy | None = None
     gate: GoodputGate | TreeGate | None = None
+    grammar: GrammarState | None = None  # the output constraint's state, when there is one
     history: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # of the output tokens, when asked for
     round_logprobs: list[TokenLogprob] = field(default_factory=list)  # the last round's tokens

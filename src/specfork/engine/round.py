@@ -31,13 +31,22 @@ NO_SHAPE = DraftShape(0)
 def run_round(model: DecoderLM, req: Request) -> list[int]:
     """One round of `req`; returns the tokens to emit (the accepted ones, then the target's)."""
     shape, proposed, draft = propose(req)
+    allowed = None
+    if req.grammar is not None:  # drafts the grammar rules out are cut; masks per row
+        draft, allowed = req.grammar.constrain(draft)  # [N + 1, V] bool
     start = req.cache.length
     logits, hidden = verify_forward(model, req, draft)  # [N + 1, V], [C, N + 1, D] or None
-    verdict = accept(req, draft, logits)
+    verdict = accept(req, draft, logits if allowed is None else constrained(logits, allowed))
+    tokens = verdict.tokens if req.grammar is None else req.grammar.advance(verdict.tokens)
     req.note_logprobs(logits, [0, *(1 + n for n in verdict.path)], verdict.tokens)
     commit(req, draft, verdict, start, logits, hidden)
     learn(req, shape, proposed, draft, verdict, logits)
-    return verdict.tokens
+    return tokens
+
+
+def constrained(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Logits [..., V] with the tokens a grammar forbids (allowed [..., V] False) at −inf."""
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 def propose(req: Request) -> tuple[DraftShape, Draft, Draft]:

@@ -45,6 +45,7 @@ class GenerationStats:
     rounds: list[RoundRecord] = field(default_factory=list)
     lossy: bool = False  # verified with a lossy rule (SPORK's typical acceptance)
     verify_seconds: float = 0.0  # inside the target's verification forwards
+    grammar_seconds: float = 0.0  # computing a constraint's token masks (0: unconstrained)
     prefill_seconds: float = 0.0
     time_to_first_token: float = 0.0
     decode_seconds: float = 0.0
@@ -116,6 +117,8 @@ class GenerationStats:
             f"{self.prefill_tokens_per_second:.0f} tok/s | decode "
             f"{self.decode_tokens_per_second:.1f} tok/s | TTFT {self.time_to_first_token:.2f} s"
         )
+        if self.grammar_seconds > 0:
+            line += f" | grammar masks {self.grammar_seconds:.2f} s"
         if self.lossy:
             line += " | LOSSY (typical acceptance: output may differ from plain decoding)"
         if self.drafted:

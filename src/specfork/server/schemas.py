@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from specfork.config import MAX_LOGPROBS, GenerationConfig, SamplingParams, SpecConfig
+from specfork.constraint import Constraint
 from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError
@@ -30,6 +31,7 @@ Prompt = str | list[int] | list[dict[str, str]]
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 REQUEST_WORDING = Wording("key", lambda o: f"speculative.{o.name}", this="this request")
 SPEC_KEYS = ("strategy", *OPTIONS_BY_NAME)  # one schema with the CLI flags and bench specs
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # characters per stop string
 MAX_SPEC_INT = 64  # largest k / n-gram size a request may ask for
@@ -38,6 +40,7 @@ LAYERS = re.compile(r"\s*\d{1,4}(\s*-\s*\d{1,4})?(\s*,\s*\d{1,4}(\s*-\s*\d{1,4})
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
     "stream_options", "n", "user", "speculative", "ignore_eos", "exact", "logprobs",
+    "response_format",
 })
 # fmt: on
 KIND_FIELDS = {
@@ -55,7 +58,6 @@ NEUTRAL = {
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
     "store": (False,),
     "metadata": (),
     "service_tier": (),
@@ -325,6 +327,7 @@ def _generation(
         raise APIError(f"stop strings must be at most {MAX_STOP_CHARS} characters", param="stop")
     logprobs = _logprobs(obj, kind)
     ignore_eos, exact = _bool(obj, "ignore_eos"), _bool(obj, "exact")
+    constraint = response_format(obj.get("response_format"))
     try:
         return GenerationConfig(
             max_new_tokens=max_tokens,
@@ -333,9 +336,56 @@ def _generation(
             exact=exact,
             max_seconds=max_seconds,
             logprobs=logprobs,
+            constraint=constraint,
         )
     except ConfigError as exc:
         raise APIError(str(exc), param="stop") from exc
+
+
+def response_format(value: Any) -> Constraint | None:
+    """OpenAI's `response_format`: {"type": "text"} (none), {"type": "json_object"}, or
+    {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}};
+    specfork also takes {"type": "regex", "regex": PATTERN}."""
+    param = "response_format"
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise APIError(
+            f'{param} must be an object with "type" one of {", ".join(RESPONSE_FORMATS)}, '
+            f"got {value!r:.200}",
+            param=param,
+        )
+    try:
+        if kind == "json_object":
+            return Constraint.json_object()
+        if kind == "regex":
+            return Constraint.regex(value.get("regex"))
+        if kind == "json_schema":
+            return Constraint.json_schema(_schema(value.get("json_schema")))
+    except ConfigError as exc:
+        raise APIError(str(exc), param=param, code="invalid_response_format") from exc
+    return None  # "text"
+
+
+def _schema(spec: Any) -> dict[str, Any]:
+    """The schema of a json_schema response format (name required as OpenAI does)."""
+    param = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise APIError(f'{param} must be an object with "name" and "schema"', param=param)
+    name = spec.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise APIError(
+            f"{param}.name must be 1-64 letters, digits, underscores or dashes, got {name!r}",
+            param=f"{param}.name",
+        )
+    strict = spec.get("strict", False)
+    if strict is not None and not isinstance(strict, bool):
+        raise APIError(f"{param}.strict must be true or false", param=f"{param}.strict")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise APIError(f"{param}.schema must be a JSON schema object", param=f"{param}.schema")
+    return schema
 
 
 def _logprobs(obj: dict[str, Any], kind: Kind) -> int | None:

@@ -1,0 +1,175 @@
+"""A constrained request's grammar state: token masks for the target and for drafts.
+
+Constrained plain decoding masks the target's logits at every step to the tokens the grammar
+allows (−inf elsewhere), then samples or takes the argmax as usual. Speculation stays lossless
+with respect to it when every verified row gets the mask of the grammar state after that row's
+prefix, and drafts respect the grammar:
+
+- `constrain(draft)` walks the draft tree depth first from the current state (consume a node's
+  token, compute its row's mask, visit its children, roll back), giving the masks [N + 1, V] of
+  the verification rows. A node whose token the grammar forbids can never be accepted (its
+  masked p is 0), so its subtree is cut. A deterministic node (no q) is cut too: rejecting a
+  one-hot proposal x with p(x) = 0 leaves p unchanged, so dropping it changes nothing. A sampled
+  node (q given) is kept as a leaf: its rejection must draw from the residual max(0, p − q), as
+  the drafter really sampled from q — cutting it would skew the output.
+- `advance(tokens)` consumes the round's emitted tokens (accepted ones, then the target's).
+
+Masks come from llguidance (`LLMatcher`), whose tokenizer is built once per model from the
+model's `tokenizers` backend (`grammar_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import llguidance
+import torch
+
+from specfork.constraint import Constraint
+from specfork.drafters.base import Draft
+from specfork.errors import ConfigError
+from specfork.loading.tokenizer import Tokenizer
+from specfork.tree import children, prune
+
+log = logging.getLogger(__name__)
+
+_BITS = torch.arange(8, dtype=torch.uint8)  # [8] bit positions within a byte
+
+
+def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's view of the model's tokenizer (costs ~0.2 s: build once per model)."""
+    backend = getattr(tokenizer, "_backend", None)
+    if backend is None or not tokenizer.eos_ids:
+        raise ConfigError(
+            "this model's tokenizer has no fast tokenizer or no end-of-sequence token, which "
+            "constrained output needs; drop the JSON schema / regex constraint"
+        )
+    try:
+        return llguidance.LLTokenizer(
+            backend.to_str(), n_vocab=vocab_size, eos_token=sorted(tokenizer.eos_ids)
+        )
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(
+            f"this model's tokenizer cannot drive a grammar ({exc}); drop the JSON schema / "
+            "regex constraint"
+        ) from None
+
+
+class GrammarState:
+    """One request's grammar matcher and the masks it gives (`vocab` = the model's logits)."""
+
+    def __init__(self, constraint: Constraint, tokenizer: llguidance.LLTokenizer, vocab: int):
+        self.constraint = constraint
+        self.vocab = vocab
+        self.words = (vocab + 31) // 32  # int32 words of one bitmask row
+        self.matcher = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ConfigError(
+                f"the {constraint.describe()} constraint cannot be compiled for this model: "
+                f"{self.matcher.get_error().strip().splitlines()[0]}"
+            )
+        self.mask_seconds = 0.0  # time spent computing masks and walking drafts
+        self.masks = 0  # rows masked
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and accepts nothing more (only an end-of-sequence)."""
+        return self.matcher.is_stopped()
+
+    def mask(self) -> torch.Tensor:
+        """The tokens allowed next [V] bool."""
+        t0 = time.perf_counter()
+        bits = torch.zeros(1, self.words, dtype=torch.int32)  # [1, W]
+        self._fill(bits, 0)
+        allowed = self._unpack(bits)[0]
+        self.mask_seconds += time.perf_counter() - t0
+        return allowed
+
+    def constrain(self, draft: Draft) -> tuple[Draft, torch.Tensor]:
+        """The draft without nodes the grammar rules out (see the module docstring), and the
+        allowed tokens [N' + 1, V] bool at its verification rows (row 0: the root)."""
+        t0 = time.perf_counter()
+        n = len(draft)
+        bits = torch.full((n + 1, self.words), -1, dtype=torch.int32)  # [N + 1, W]
+        self._fill(bits, 0)
+        keep = [False] * n
+        if n:
+            self._walk(draft, bits, keep)
+        result = (draft, self._unpack(bits)) if all(keep) else self._pruned(draft, bits, keep)
+        self.mask_seconds += time.perf_counter() - t0
+        return result
+
+    def advance(self, tokens: list[int]) -> list[int]:
+        """Consume a round's emitted tokens (each one the masks allowed); returns them up to
+        the one that completes the grammar (nothing may follow it)."""
+        for i, token in enumerate(tokens):
+            if not self.matcher.consume_token(token):
+                raise RuntimeError(f"the grammar refused emitted token {token}: {self._error()}")
+            if self.matcher.is_stopped():
+                return tokens[: i + 1]
+        return tokens
+
+    # -- internals ----------------------------------------------------------------------------
+    def _walk(self, draft: Draft, bits: torch.Tensor, keep: list[bool]) -> None:
+        """Depth first over the tree: consume, mask, recurse, roll back (row r = node r - 1)."""
+        tokens, parents = draft.tokens.tolist(), draft.tree.parents.tolist()
+        kids = children(draft.tree)
+        sampled = self._keeps_forbidden(draft)
+        stack: list[tuple[int, int]] = [(c, 0) for c in reversed(kids[0])]  # (node, depth)
+        depth = 0  # tokens consumed beyond the root state
+        while stack:
+            node, node_depth = stack.pop()
+            if depth > node_depth:
+                self.matcher.rollback(depth - node_depth)
+                depth = node_depth
+            parent_row = parents[node] + 1
+            token = tokens[node]
+            if not _allowed(bits, parent_row, token):
+                keep[node] = sampled  # a sampled node stays, as a leaf that is always rejected
+                continue
+            if not self.matcher.consume_token(token):
+                raise RuntimeError(f"the grammar refused an allowed token: {self._error()}")
+            depth += 1
+            keep[node] = True
+            self._fill(bits, node + 1)
+            stack.extend((c, node_depth + 1) for c in reversed(kids[node + 1]))
+        if depth:
+            self.matcher.rollback(depth)
+
+    @staticmethod
+    def _keeps_forbidden(draft: Draft) -> bool:
+        """Whether forbidden nodes stay as leaves: when their tokens were sampled from q."""
+        return draft.q is not None
+
+    def _pruned(
+        self, draft: Draft, bits: torch.Tensor, keep: list[bool]
+    ) -> tuple[Draft, torch.Tensor]:
+        tree, index = prune(draft.tree, torch.tensor(keep, dtype=torch.bool))
+        kept = index >= 0  # [N]
+        rows = torch.cat([torch.tensor([True]), kept.cpu()])  # [N + 1] the root stays
+        q = None if draft.q is None else draft.q[kept.to(draft.q.device)]
+        scores = None if draft.scores is None else draft.scores[kept.to(draft.scores.device)]
+        pruned = Draft(tree, q, scores, draft.forwards, draft.source)
+        return pruned, self._unpack(bits[rows])
+
+    def _fill(self, bits: torch.Tensor, row: int) -> None:
+        words = bits[row]  # [W] int32, contiguous: a row of a contiguous tensor
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        self.masks += 1
+        if self.matcher.is_error():
+            raise RuntimeError(f"the grammar matcher failed: {self._error()}")
+
+    def _unpack(self, bits: torch.Tensor) -> torch.Tensor:
+        """Bitmask rows [R, W] int32 → allowed tokens [R, V] bool (bit t of the row = token t)."""
+        as_bytes = bits.contiguous().view(torch.uint8)  # [R, 4W], little-endian words
+        flat = (as_bytes.unsqueeze(-1) >> _BITS) & 1  # [R, 4W, 8]
+        return flat.view(bits.shape[0], -1)[:, : self.vocab].bool()  # [R, V]
+
+    def _error(self) -> str:
+        return self.matcher.get_error() or "no error message"
+
+
+def _allowed(bits: torch.Tensor, row: int, token: int) -> bool:
+    """Whether bitmask row `row` allows `token`."""
+    return bool((int(bits[row, token >> 5]) >> (token & 31)) & 1)

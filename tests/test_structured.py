@@ -1,0 +1,406 @@
+"""Structured output: constraints (JSON schema, JSON object, regex) with every strategy.
+
+Constrained plain decoding masks the target's logits to the grammar's allowed tokens at every
+step. What is checked:
+
+1. Constraints validate on construction (bad schema, bad regex → ConfigError; no model).
+2. `GrammarState.constrain` on a tree: the masks of its rows equal those of a fresh matcher fed
+   each row's prefix, and nodes the grammar forbids are cut (kept as leaves when sampled).
+3. Greedy exactness on a tiny random model (fast): speculative n-gram, DSpark, SPORK and test
+   drafters that propose forbidden tokens give constrained plain decoding's tokens exactly.
+4. Sampling: constrained speculative sampling draws the constrained plain distribution
+   (chi-square on the joint of the first two tokens), with sampled drafts that propose
+   forbidden tokens; a broken variant (cutting sampled forbidden nodes) fails the same test.
+5. The packaged model (slow): JSON outputs parse and every strategy equals constrained plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from distribution import goodness_of_fit
+from specfork.cli import bench as bench_command
+from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.constraint import Constraint
+from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
+from specfork.engine import Generator
+from specfork.engine.grammar import GrammarState, grammar_tokenizer
+from specfork.engine.round import constrained
+from specfork.errors import ConfigError
+from specfork.loading.loader import LoadedModel, load_model
+from specfork.sampling import probabilities, sample
+from specfork.tree import Tree
+from specfork.verify import verify_sampling
+from tiny_models import randomize
+
+CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+RECORD = r'\{"id": [0-9]{1,4}, "tag": "[a-z]{1,6}", "ok": (true|false)\}'
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "level": {"type": "integer", "minimum": 0, "maximum": 99},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+    },
+    "required": ["name", "level", "kind"],
+    "additionalProperties": False,
+}
+TINY_SPECS = {
+    "ngram": SpecConfig("speculative", k=4, goodput=False),
+    "dspark": SpecConfig("dspark", goodput=False),
+    "spork": SpecConfig("spork", drafter="recycle+ngram"),
+}
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama with a byte-level tokenizer (one token per byte)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-structured")
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIALS)
+    backend.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    cfg = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=258, bos_token_id=None, pad_token_id=256)  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    randomize(model, seed=3, norm_center=1.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder: Path) -> LoadedModel:
+    return load_model(str(tiny_folder), dtype="float32", device="cpu", progress=False)
+
+
+def _state(loaded: LoadedModel, constraint: Constraint) -> GrammarState:
+    vocab = loaded.config.vocab_size
+    return GrammarState(constraint, grammar_tokenizer(loaded.tokenizer, vocab), vocab)
+
+
+def _ids(loaded: LoadedModel, text: str) -> list[int]:
+    return loaded.tokenizer.encode(text, add_special_tokens=False)
+
+
+# ----------------------------------------------------------------------------- 1. validation
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: Constraint.json_schema('{"type": "integr"}'), "Invalid type"),
+        (lambda: Constraint.json_schema("{not json"), "not valid JSON"),
+        (lambda: Constraint.json_schema("[1, 2]"), "must be a JSON object"),
+        (lambda: Constraint.regex("(unclosed"), "unclosed group"),
+        (lambda: Constraint.regex(""), "non-empty pattern"),
+        (lambda: Constraint("yaml", "x"), "unknown constraint kind"),
+        (lambda: GenerationConfig(constraint={"type": "object"}), "must be a specfork.Constraint"),
+    ],
+)
+def test_bad_constraints_are_config_errors(make, words: str) -> None:
+    with pytest.raises(ConfigError, match=words) as info:
+        make()
+    assert "\n" not in str(info.value)
+
+
+def test_constraints_compare_by_source() -> None:
+    assert Constraint.json_schema(SCHEMA) == Constraint.json_schema(json.dumps(SCHEMA))
+    assert Constraint.json_object().describe() == "json_object"
+    assert Constraint.json_object().matches('{"a": 1}') and not Constraint.json_object().matches(
+        "[1]"
+    )
+    assert not Constraint.json_schema(SCHEMA).matches('{"a": ')
+
+
+# ----------------------------------------------------------------------------- 2. tree masks
+
+
+def test_tree_masks_follow_each_prefix(tiny: LoadedModel) -> None:
+    constraint = Constraint.regex(r"ab(c|d)e|b[0-9]+")
+    a, b, c, d, e, z, one = (_ids(tiny, ch)[0] for ch in "abcdez1")
+    # root ─ a ─ b ─ c ─ e        (all allowed)
+    #      │     └ z              (forbidden: cut with its subtree)
+    #      │         └ e
+    #      ├ b ─ 1                (allowed)
+    #      └ z                    (forbidden)
+    tree = Tree([a, b, c, e, z, e, b, one, z], [-1, 0, 1, 2, 1, 4, -1, 6, -1])
+    state = _state(tiny, constraint)
+    draft, allowed = state.constrain(Draft(tree))
+    assert draft.tokens.tolist() == [a, b, c, e, b, one]
+    assert draft.tree.parents.tolist() == [-1, 0, 1, 2, -1, 4]
+    paths = [[], [a], [a, b], [a, b, c], [a, b, c, e], [b], [b, one]]
+    for row, prefix in enumerate(paths):
+        fresh = _state(tiny, constraint)
+        fresh.advance(prefix)
+        assert torch.equal(allowed[row], fresh.mask()), f"row {row} (prefix {prefix})"
+    assert bool(allowed[0, a]) and not bool(allowed[0, z])
+    assert state.matcher.validate_tokens([a, b, d, e]) == 4  # rolled back to the root
+    sampled, allowed = state.constrain(Draft(tree, q=torch.ones(len(tree), 260) / 260))
+    assert sampled.tokens.tolist() == [a, b, c, e, z, b, one, z]  # forbidden ones as leaves
+    assert sampled.q is not None and sampled.q.shape == (8, 260) and allowed.shape == (9, 260)
+
+
+# ----------------------------------------------------------------------------- 3. greedy, tiny
+
+
+class ForbiddenDrafter:
+    """Proposes a known continuation with a forbidden token at draft position `bad` (a chain),
+    or as a tree: a forbidden first child, then the continuation as its sibling."""
+
+    name = "forbidden"
+    cost = 0.0
+    wants_logits = False
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, continuation: list[int], bad_token: int, bad: int, tree: bool) -> None:
+        self.continuation, self.bad_token, self.bad, self.tree = continuation, bad_token, bad, tree
+        self.prompt_len = 0
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self.prompt_len = len(prompt_ids)
+
+    def propose(self, history, shape: DraftShape, sampling, rng) -> Draft:
+        m = len(history) - self.prompt_len
+        tokens = self.continuation[m : m + 4]
+        if not tokens:
+            return chain_draft([])
+        if not self.tree:
+            if self.bad < len(tokens):
+                tokens[self.bad] = self.bad_token
+            return chain_draft(tokens)
+        parents = [-1, -1, *range(1, len(tokens))]  # the bad root child, then the chain
+        return Draft(Tree([self.bad_token, *tokens], parents))
+
+    def observe(self, feedback: Feedback) -> None:
+        pass
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("kind", ["regex", "schema"])
+def test_tiny_greedy_speculation_equals_constrained_plain(tiny: LoadedModel, kind: str) -> None:
+    constraint = Constraint.regex(RECORD) if kind == "regex" else Constraint.json_schema(SCHEMA)
+    config = GenerationConfig(max_new_tokens=80, constraint=constraint)
+    prompt = "Give a record."
+    plain = Generator(tiny).generate(prompt, config=config)
+    assert plain.finish_reason == "stop", plain.text  # the grammar's end ends the output
+    if kind == "regex":
+        assert re.fullmatch(RECORD, plain.text), plain.text
+    else:
+        value = json.loads(plain.text)
+        assert (
+            set(value) == {"name", "level", "kind"}
+            and value["kind"] in SCHEMA["properties"]["kind"]["enum"]
+        )
+    unconstrained = Generator(tiny).generate(prompt, config=GenerationConfig(max_new_tokens=20))
+    assert unconstrained.text != plain.text[: len(unconstrained.text)]  # the mask mattered
+    for name, spec in TINY_SPECS.items():
+        got = Generator(tiny, spec=spec).generate(prompt, config=config)
+        assert got.token_ids == plain.token_ids, name
+        assert got.finish_reason == "stop" and got.stats.grammar_seconds > 0, name
+    bad = _ids(tiny, "~")[0]  # no record has a "~"
+    for tree in (False, True):
+        for position in (0, 2):
+            drafter = ForbiddenDrafter(plain.token_ids, bad, position, tree)
+            spec = SpecConfig("speculative", k=4, goodput=False)
+            gen = Generator(tiny, spec=spec, drafter=drafter)
+            got = gen.generate(prompt, config=config)
+            assert got.token_ids == plain.token_ids, (tree, position)
+            assert got.stats.accepted >= (len(plain.token_ids) // 2 if tree or position else 0)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_ignore_eos_still_ends_with_the_grammar(tiny: LoadedModel) -> None:
+    config = GenerationConfig(
+        max_new_tokens=80, ignore_eos=True, constraint=Constraint.regex(RECORD)
+    )
+    got = Generator(tiny, spec=TINY_SPECS["spork"]).generate("Go.", config=config)
+    assert got.finish_reason == "stop" and re.fullmatch(RECORD, got.text)
+
+
+def test_unusable_tokenizer_is_a_config_error(tiny: LoadedModel) -> None:
+    class NoBackend:
+        eos_ids = frozenset({1})
+
+    with pytest.raises(ConfigError, match="drop the JSON schema"):
+        grammar_tokenizer(NoBackend(), 260)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_bench_runs_constrained(tiny_folder: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Go."]}) + "\n")
+    out = tmp_path / "out"
+    argv = [
+        "bench",
+        "--model",
+        str(tiny_folder),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--prompts",
+        str(prompts),
+        "-n",
+        "80",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+        "--quiet",
+        "--no-plots",
+        "--regex",
+        RECORD,
+        "--prompt-suffix",
+        " As a record.",
+        "--strategies",
+        "ar,speculative:ngram?k=4,dspark:ngram,spork:recycle+ngram",
+    ]
+    parser = argparse.ArgumentParser(prog="specfork")
+    bench_command.add_parser(parser.add_subparsers(dest="command"))
+    assert bench_command.run(parser.parse_args(argv), Console(stderr=True)) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["settings"]["constraint"] == {"kind": "regex", "source": RECORD}
+    for label, by_cat in doc["summary"].items():
+        assert by_cat["overall"]["valid_rate"] == 1.0, label
+        assert by_cat["overall"]["exact_match_rate"] == 1.0, label
+    assert "output valid" in (out / "report.md").read_text()
+    with pytest.raises(ConfigError, match="cannot run constrained"):
+        bench_command.run(parser.parse_args([*argv[:-1], "ar,hf:ar"]), Console(stderr=True))
+
+
+# ----------------------------------------------------------------------------- 4. sampling
+
+REGEX = "[a-d][0-3]"  # two tokens: 4 × 4 joint outcomes
+SAMPLES = 12_000
+
+
+class CuttingState(GrammarState):
+    """BROKEN: cuts sampled forbidden nodes too (their rejection then skips the residual)."""
+
+    @staticmethod
+    def _keeps_forbidden(draft: Draft) -> bool:
+        return False
+
+
+def _drafter_q(allowed: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A random q [V] with half its mass on forbidden tokens and half on allowed ones."""
+    raw = torch.rand(allowed.shape[0], generator=gen) ** 2  # [V]
+    inside, outside = raw * allowed, raw * ~allowed
+    return 0.5 * inside / inside.sum() + 0.5 * outside / outside.sum()
+
+
+def _joint_counts(tiny: LoadedModel, state_cls: type[GrammarState], seed: int) -> tuple:
+    """Joint counts of the first two tokens of constrained speculative sampling with a drafter
+    that samples chains of 2 tokens from its q (half its mass on forbidden tokens), and the
+    exact joint of constrained plain sampling."""
+    vocab = tiny.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=1.0)
+    state = state_cls(Constraint.regex(REGEX), grammar_tokenizer(tiny.tokenizer, vocab), vocab)
+    m0 = state.mask()  # [V] the first position's allowed tokens
+    state.advance([int(m0.nonzero()[0])])
+    m1 = state.mask()  # [V] the second's (the same after any first token)
+    logits = {0: 2 * torch.randn(vocab, generator=gen)}  # the target at each output position
+    logits[1] = 2 * torch.randn(vocab, vocab, generator=gen)  # [V, V] after token t
+    q = {0: _drafter_q(m0, gen), 1: torch.stack([_drafter_q(m1, gen) for _ in range(vocab)])}
+
+    def target(prefix: list[int]) -> torch.Tensor:  # the target's logits after `prefix`
+        return logits[0] if not prefix else logits[1][prefix[0]]
+
+    def drafter(prefix: list[int]) -> torch.Tensor:
+        return q[0] if not prefix else q[1][prefix[0]]
+
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for _ in range(SAMPLES):
+        state.matcher.reset()
+        emitted: list[int] = []
+        while len(emitted) < 2:
+            tokens, qs = [], []
+            for _ in range(2 - len(emitted)):  # the drafter samples up to the second token
+                qs.append(drafter(emitted + tokens))
+                tokens.append(int(sample(qs[-1], gen)))
+            draft, allowed = state.constrain(chain_draft(tokens, torch.stack(qs)))
+            path = emitted + draft.tokens.tolist()
+            rows = torch.stack([target(path[:i]) for i in range(len(emitted), len(path) + 1)])
+            p = probabilities(constrained(rows, allowed), params)  # [N + 1, V]
+            if len(draft):
+                out = verify_sampling(draft.tokens, p, draft.q, gen).tokens
+            else:
+                out = [int(sample(p[0], gen))]
+            emitted += state.advance(out)
+        counts[emitted[0], emitted[1]] += 1
+    p0 = probabilities(constrained(logits[0], m0), params).double()  # [V]
+    p1 = probabilities(constrained(logits[1], m1.expand(vocab, -1)), params).double()  # [V, V]
+    return counts.flatten(), (p0[:, None] * p1).flatten()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_constrained_speculative_sampling_is_exact(tiny: LoadedModel) -> None:
+    counts, exact = _joint_counts(tiny, GrammarState, seed=0)
+    assert goodness_of_fit(counts, exact) > 1e-3
+    tv = 0.5 * float((counts / counts.sum() - exact).abs().sum())
+    assert tv < 0.05, tv
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_cutting_sampled_forbidden_drafts_fails_the_same_test(tiny: LoadedModel) -> None:
+    counts, exact = _joint_counts(tiny, CuttingState, seed=0)
+    assert goodness_of_fit(counts, exact) < 1e-3
+
+
+# ----------------------------------------------------------------------------- 5. packaged model
+
+JSON_PROMPTS = [
+    "Describe a cat as a JSON object with its name, age and color.",
+    "Give me a JSON object for a book: title, author, year.",
+]
+SLOW_SPECS = {
+    "ngram": SpecConfig("speculative", k=4),
+    "dspark": SpecConfig("dspark"),
+    "spork": SpecConfig("spork", drafter="recycle+ngram"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["json_object", "schema"])
+def test_packaged_model_json_parses_and_speculation_is_exact(
+    smollm_f32: LoadedModel, kind: str
+) -> None:
+    constraint = (
+        Constraint.json_object() if kind == "json_object" else Constraint.json_schema(SCHEMA)
+    )
+    config = GenerationConfig(max_new_tokens=96, constraint=constraint)
+    plain = Generator(smollm_f32)
+    gens = {name: Generator(smollm_f32, spec=spec) for name, spec in SLOW_SPECS.items()}
+    for prompt in JSON_PROMPTS:
+        ref = plain.generate(prompt, config=config)
+        assert ref.finish_reason == "stop", ref.text
+        value = json.loads(ref.text)
+        assert isinstance(value, dict) and (
+            kind == "json_object" or set(value) == set(SCHEMA["required"])
+        )
+        for name, gen in gens.items():
+            got = gen.generate(prompt, config=config)
+            assert got.token_ids == ref.token_ids, (name, prompt, got.text, ref.text)
