@@ -26,6 +26,7 @@ import torch
 from rich.console import Console
 
 from distribution import goodness_of_fit
+from specfork.bench.report import load_results
 from specfork.cli import bench as bench_command
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.constraint import Constraint
@@ -280,7 +281,7 @@ def test_bench_runs_constrained(tiny_folder: Path, tmp_path: Path) -> None:
     parser = argparse.ArgumentParser(prog="specfork")
     bench_command.add_parser(parser.add_subparsers(dest="command"))
     assert bench_command.run(parser.parse_args(argv), Console(stderr=True)) == 0
-    doc = json.loads((out / "results.json").read_text())
+    doc = load_results(out)
     assert doc["settings"]["constraint"] == {"kind": "regex", "source": RECORD}
     for label, by_cat in doc["summary"].items():
         assert by_cat["overall"]["valid_rate"] == 1.0, label
