@@ -21,18 +21,18 @@ if TYPE_CHECKING:
 PACKAGED = Path(__file__).parent / "packaged_heads"
 
 
-def shipped() -> list[str]:
-    """The models a head ships for."""
-    return sorted(p.name for p in PACKAGED.glob("*") if (p / "head.json").is_file())
+def shipped(root: Path = PACKAGED) -> list[str]:
+    """The models a head ships for (folders of `root` holding a head)."""
+    return sorted(p.name for p in root.glob("*") if (p / "head.json").is_file())
 
 
-def packaged_head(target: LoadedModel) -> Path:
-    """The folder of the head shipped for `target`; ConfigError if none."""
+def packaged_head(target: LoadedModel, root: Path = PACKAGED) -> Path:
+    """The folder of the head shipped (in `root`) for `target`; ConfigError if none."""
     where = str(Path(target.path).resolve()).lower()
-    names = shipped()
+    names = shipped(root)
     for name in sorted(names, key=len, reverse=True):  # the most specific name first
         if name.lower() in where:
-            return PACKAGED / name
+            return root / name
     raise ConfigError(
         f"no draft head ships for {Path(target.path).name} (shipped for: "
         f"{', '.join(names) or 'none yet'}); train one with `specfork train-head -m MODEL "
