@@ -353,11 +353,18 @@ def test_response_format_json_schema_matches_library(served: Served, strategy: s
     config = GenerationConfig(max_new_tokens=64, constraint=Constraint.json_schema(PERSON))
     ref = served.reference.generate(messages, config=config, spec=_spec(strategy))
     assert text == ref.text
-    plain = served.client.chat.completions.create(
+    any_object = served.client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=64, temperature=0,
         response_format={"type": "json_object"},
     )  # fmt: skip
-    assert isinstance(json.loads(plain.choices[0].message.content), dict)
+    # SmolLM2 writes a long object: 64 tokens may end it before it closes (finish "length"),
+    # a valid prefix of the library's constrained output
+    choice = any_object.choices[0]
+    config = GenerationConfig(max_new_tokens=64, constraint=Constraint.json_object())
+    assert choice.message.content == served.reference.generate(messages, config=config).text
+    assert choice.message.content.lstrip().startswith("{")
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
 
 
 @pytest.mark.slow
