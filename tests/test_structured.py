@@ -39,13 +39,8 @@ from specfork.loading.loader import LoadedModel, load_model
 from specfork.sampling import probabilities, sample
 from specfork.tree import Tree
 from specfork.verify import verify_sampling
-from tiny_models import randomize
+from tiny_models import tiny_chat_llama
 
-CHAT = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 RECORD = r'\{"id": [0-9]{1,4}, "tag": "[a-z]{1,6}", "ok": (true|false)\}'
 SCHEMA = {
     "type": "object",
@@ -69,26 +64,9 @@ TINY_SPECS = {
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer random Llama with a byte-level tokenizer (one token per byte)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-structured")
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIALS)
-    backend.save(str(folder / "tokenizer.json"))
-    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    cfg = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=258, bos_token_id=None, pad_token_id=256)  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    randomize(model, seed=3, norm_center=1.0)
-    model.save_pretrained(folder)
-    return folder
+    """A 2-layer random Llama with a byte-level tokenizer (one token per byte); its config's
+    EOS is <|im_end|> (258)."""
+    return tiny_chat_llama(tmp_path_factory.mktemp("tiny-structured"), seed=3, eos_token_id=258)
 
 
 @pytest.fixture(scope="module")

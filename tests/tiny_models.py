@@ -48,7 +48,9 @@ CHAT = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def tiny_chat_llama(folder: Path, chat: bool = True, seed: int = 0) -> Path:
+def tiny_chat_llama(
+    folder: Path, chat: bool = True, seed: int = 0, eos_token_id: int = 257
+) -> Path:
     """A 2-layer random Llama checkpoint in `folder` (as transformers saves it: config.json,
     model.safetensors) with a byte-level tokenizer (no merges) and a ChatML chat template (none
     with ``chat=False``): end-to-end tests run it in seconds."""
@@ -70,7 +72,7 @@ def tiny_chat_llama(folder: Path, chat: bool = True, seed: int = 0) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     cfg = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=257, bos_token_id=None, pad_token_id=256)  # fmt: skip
+                      eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=256)  # fmt: skip
     model = LlamaForCausalLM(cfg)
     randomize(model, seed=seed, norm_center=1.0)  # logits O(1): no accidental near-ties
     model.save_pretrained(folder)
