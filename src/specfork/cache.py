@@ -60,6 +60,10 @@ class KVCache:
         self.length += self._pending
         self._pending = 0
 
+    def drop_pending(self) -> None:
+        """Forget the slots claimed by `reserve` (a forward that failed)."""
+        self._pending = 0
+
     def write(
         self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

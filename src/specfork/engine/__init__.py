@@ -12,7 +12,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
 
 import llguidance
 import torch
@@ -21,15 +20,16 @@ from specfork.cache import KVCache
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Drafter, Feedback, check_drafter, start
 from specfork.engine.grammar import GrammarState, grammar_tokenizer
+from specfork.engine.lifecycle import GenerationResult, first_tokens, result, stopped, take
 from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.output import OutputBuilder
 from specfork.engine.request import Request
-from specfork.engine.round import constrained, run_round
+from specfork.engine.round import run_round
 from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import LoadedModel
 from specfork.models.cost import CostCurve
-from specfork.sampling import make_generator, next_token
+from specfork.sampling import make_generator
 from specfork.strategies import build_strategy
 from specfork.strategies.goodput import GoodputGate, TreeGate
 from specfork.strategies.policies import DraftPolicy, check_policy
@@ -39,18 +39,6 @@ log = logging.getLogger(__name__)
 Prompt = str | Sequence[dict[str, str]]
 MAX_KEPT_STRATEGIES = 8  # default: built strategies (drafters with their caches) kept for reuse
 FREE_CACHES = 2  # KV caches of finished requests kept for the next ones
-
-
-@dataclass
-class GenerationResult:
-    """What one request produced."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS, stop id or stop string), "length" or "time"
-    prompt_ids: list[int]
-    stats: GenerationStats
-    logprobs: list[TokenLogprob] | None = None  # one per token id, when the config asks
 
 
 class TextStream:
@@ -194,18 +182,45 @@ class Generator:
         request gets its own state (KV cache, drafter and policy state) here, so several
         streams may be in flight and advanced in any order.
         """
+        req = self.open_request(prompt, chat=chat, config=config, sampling=sampling, spec=spec)
+        return TextStream(self._events(req), req.logprobs)
+
+    def open_request(
+        self,
+        prompt: Prompt | list[int],
+        *,
+        chat: bool | None = None,
+        config: GenerationConfig | None = None,
+        sampling: SamplingParams | None = None,
+        spec: SpecConfig | None = None,
+    ) -> Request:
+        """A validated request with its own state (cache, drafter, policy, rng), not yet run:
+        `stream` runs it alone, `specfork.engine.batch.Scheduler` with others. Its cache goes
+        back with `release(req)`."""
+        config = config or GenerationConfig()
+        ids = self.prompt_ids(prompt, chat=chat, config=config)
+        self._check_thread()
+        self.use_strategy(spec or self.default_spec)
+        return self._new_request(ids, config, sampling or SamplingParams())
+
+    def prompt_ids(
+        self, prompt: Prompt | list[int], *, chat: bool | None = None,
+        config: GenerationConfig | None = None,
+    ) -> list[int]:  # fmt: skip
+        """The prompt's token ids, checked (PromptError/ConfigError name what is wrong): a
+        list of ints is taken as token ids, anything else is encoded."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
             ids = list(prompt)
         else:
             ids = self.encode_prompt(prompt, chat)
-        config = config or GenerationConfig()
-        sampling = sampling or SamplingParams()
         self._check_prompt(ids)
-        self._check_exact(config)
-        self._check_thread()
-        self.use_strategy(spec or self.default_spec)
-        req = self._new_request(ids, config, sampling)
-        return TextStream(self._events(req), req.logprobs)
+        self._check_exact(config or GenerationConfig())
+        return ids
+
+    def release(self, req: Request, keep: int = FREE_CACHES) -> None:
+        """A finished or cancelled request's cache, kept (the `keep` largest free caches) for
+        the next requests."""
+        self._release_cache(req.cache, keep)
 
     def warm_up(self, new_tokens: int = 4) -> None:
         """Run a short generation so that the first request does not pay for first-use costs."""
@@ -229,61 +244,30 @@ class Generator:
         try:
             yield from self._decode(req)
         finally:
-            self._release_cache(req.cache)
+            self.release(req)
 
     def _decode(self, req: Request) -> Iterator[str | GenerationResult]:
         """Prefill, then rounds until a stop. Only the computing runs in inference mode: the
         mode is thread-local, and a caller between two deltas must not find it switched on."""
-        stats, out, sampling = req.stats, req.out, req.sampling
+        stats = req.stats
         t0 = time.perf_counter()
         with torch.inference_mode():
             logits = self._prefill(req)  # [V]
             stats.prefill_seconds = time.perf_counter() - t0
-            grammar = req.grammar
-            allowed = None if grammar is None else grammar.mask()  # [V]
-            chosen = logits if allowed is None else constrained(logits, allowed)
-            tokens = [next_token(chosen, sampling, req.rng)]
-            if grammar is not None:
-                tokens = grammar.advance(tokens)
-            req.note_logprobs(logits[None], [0], tokens)
+            tokens = first_tokens(req, logits)
         stats.time_to_first_token = time.perf_counter() - t0
         t1 = time.perf_counter()
-        limit = out.config.max_seconds
         while True:
-            self._take(req, tokens)
-            if req.grammar is not None and req.grammar.finished:
-                out.finish("stop")  # the constraint is complete: only an end could follow
-            yield out.new_text()
-            if out.done:
-                break
-            if req.cache.length >= req.cache.max_len:
-                out.finish("length")
-                break
-            if limit is not None and time.perf_counter() - t0 > limit:
-                out.finish("time")
+            take(req, tokens)
+            done = stopped(req, t0)
+            yield req.out.new_text()
+            if done:
                 break
             with torch.inference_mode():
                 tokens = run_round(self.model, req)
         stats.decode_seconds = time.perf_counter() - t1
-        if req.grammar is not None:
-            stats.grammar_seconds = req.grammar.mask_seconds
-        yield out.new_text()
-        ids = req.prompt_ids
-        reason = out.finish_reason or "length"
-        yield GenerationResult(out.text, out.token_ids, reason, ids, stats, req.logprobs)
-
-    @staticmethod
-    def _take(req: Request, tokens: list[int]) -> None:
-        """A round's tokens into the output (up to a stop), the history and the
-        log-probabilities (of the tokens the output kept: not a stop id)."""
-        out, kept = req.out, len(req.out.token_ids)
-        used = out.add(tokens)
-        req.stats.new_tokens += used
-        req.history += tokens[:used]
-        if req.logprobs is not None:
-            fresh = req.round_logprobs[: len(out.token_ids) - kept]
-            pieces = out.pieces[kept:]
-            req.logprobs += [replace(e, text=t) for e, t in zip(fresh, pieces, strict=True)]
+        yield req.out.new_text()
+        yield result(req)
 
     def _new_request(
         self, ids: list[int], config: GenerationConfig, sampling: SamplingParams
@@ -338,8 +322,13 @@ class Generator:
         """A fresh goodput gate for a strategy that asks for one (goodput.py)."""
         if not (self.spec.goodput and self.drafter is not None):
             return None
-        cost = self._cost_curve or self.model.cost_curve()  # measured once per model
+        cost = self.cost_curve()
         return TreeGate(cost) if self.spec.strategy == "spork" else GoodputGate(cost)
+
+    def cost_curve(self) -> CostCurve:
+        """What the goodput gates assume a forward of R rows costs: the curve given to the
+        constructor, or the model's own (measured once per model)."""
+        return self._cost_curve or self.model.cost_curve()
 
     def _take_cache(self, length: int) -> KVCache:
         """A cache of at least `length` slots: a free one when one is big enough, else new."""
@@ -351,11 +340,11 @@ class Generator:
         cache.reset()
         return cache
 
-    def _release_cache(self, cache: KVCache) -> None:
-        """A finished request's cache, kept for the next ones (the largest few)."""
+    def _release_cache(self, cache: KVCache, keep: int) -> None:
+        """A finished request's cache, kept for the next ones (the `keep` largest)."""
         self._free_caches.append(cache)
         self._free_caches.sort(key=lambda c: -c.max_len)
-        del self._free_caches[FREE_CACHES:]
+        del self._free_caches[keep:]
 
     def _check_exact(self, config: GenerationConfig) -> None:
         if config.exact and not getattr(self.model, "batch_invariant", False):

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 
 import torch
 
 from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback
 from specfork.engine.request import Request
 from specfork.engine.stats import RoundRecord
-from specfork.models.base import DecoderLM
+from specfork.models.base import DecoderLM, Segment
 from specfork.sampling import probabilities
 from specfork.strategies.goodput import GoodputGate, TreeGate
 from specfork.strategies.policies import RoundInfo
@@ -28,20 +29,93 @@ from specfork.verify.tree import verify_tree_greedy, verify_tree_sampling, verif
 NO_SHAPE = DraftShape(0)
 
 
+@dataclass(frozen=True, eq=False)
+class Planned:
+    """A round before the target's forward: the policy's shape, the drafter's proposal, the
+    draft to verify, the grammar's masks per row and the cache slot of the root."""
+
+    shape: DraftShape
+    proposed: Draft
+    draft: Draft
+    allowed: torch.Tensor | None  # [N + 1, V] bool, when the request has a grammar
+    start: int
+
+
 def run_round(model: DecoderLM, req: Request) -> list[int]:
     """One round of `req`; returns the tokens to emit (the accepted ones, then the target's)."""
-    shape, proposed, draft = propose(req)
+    planned = plan_round(req)
+    logits, hidden = verify_forward(model, req, planned.draft)  # [N + 1, V], [C, N + 1, D]
+    return finish_round(req, planned, logits, hidden)
+
+
+def plan_round(
+    req: Request,
+    proposal: tuple[DraftShape, Draft, Draft] | None = None,
+    trim: int | None = None,
+) -> Planned:
+    """Propose (or take `propose`'s result), keep at most `trim` nodes when a batch's budget
+    says so, and let the grammar cut what it forbids."""
+    shape, proposed, draft = proposal or propose(req)
+    if trim is not None and len(draft) > trim:
+        draft = trimmed(draft, trim)
     allowed = None
     if req.grammar is not None:  # drafts the grammar rules out are cut; masks per row
         draft, allowed = req.grammar.constrain(draft)  # [N + 1, V] bool
-    start = req.cache.length
-    logits, hidden = verify_forward(model, req, draft)  # [N + 1, V], [C, N + 1, D] or None
+    return Planned(shape, proposed, draft, allowed, req.cache.length)
+
+
+def finish_round(
+    req: Request, planned: Planned, logits: torch.Tensor, hidden: torch.Tensor | None
+) -> list[int]:
+    """Accept, commit and learn from the target's logits [N + 1, V] (and captured hidden
+    states [C, N + 1, D]) at the planned draft's rows; the tokens to emit."""
+    draft, allowed = planned.draft, planned.allowed
     verdict = accept(req, draft, logits if allowed is None else constrained(logits, allowed))
     tokens = verdict.tokens if req.grammar is None else req.grammar.advance(verdict.tokens)
     req.note_logprobs(logits, [0, *(1 + n for n in verdict.path)], verdict.tokens)
-    commit(req, draft, verdict, start, logits, hidden)
-    learn(req, shape, proposed, draft, verdict, logits)
+    commit(req, draft, verdict, planned.start, logits, hidden)
+    learn(req, planned.shape, planned.proposed, draft, verdict, logits)
     return tokens
+
+
+def round_segment(req: Request, draft: Draft, device: torch.device) -> Segment:
+    """The rows of a round (the root, then the drafted nodes) as a segment of a batched
+    forward: their tokens, positions and mask (None for a chain: causal)."""
+    start = req.cache.length
+    rows = torch.tensor([req.history[-1], *draft.tokens.tolist()], device=device)  # [N + 1]
+    if draft.is_chain:
+        return Segment(rows, torch.arange(start, start + len(rows), device=device), req.cache)
+    mask = tree_mask(draft.tree).to(device)  # [N + 1, N + 1]
+    return Segment(rows, tree_positions(draft.tree, start).to(device), req.cache, mask)
+
+
+def trimmed(draft: Draft, n: int) -> Draft:
+    """The first `n` nodes of a draft in `node_order`: a chain's head, a tree's best-scored
+    nodes (every kept node's parent is kept)."""
+    if draft.is_chain:
+        return draft.head(n)
+    keep = torch.zeros(len(draft), dtype=torch.bool)  # [N]
+    keep[node_order(draft)[:n]] = True
+    return _pruned(draft, keep)
+
+
+def node_order(draft: Draft) -> list[int]:
+    """The order in which a draft's nodes are worth verifying: a chain's positions; a tree's
+    nodes by prior score, ties by index (scores never grow down a path and children come
+    after their parents, so every node comes after its parent); by index without scores."""
+    if draft.is_chain or draft.scores is None:
+        return list(range(len(draft)))
+    scores = draft.scores.tolist()
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+
+
+def _pruned(draft: Draft, keep: torch.Tensor) -> Draft:
+    """The draft's nodes where `keep` [N] is True (with their q and scores)."""
+    tree, index = prune(draft.tree, keep)
+    kept = index >= 0  # [N]
+    q = None if draft.q is None else draft.q[kept]
+    scores = None if draft.scores is None else draft.scores[kept]
+    return Draft(tree, q, scores, draft.forwards, draft.source)
 
 
 def constrained(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -84,10 +158,7 @@ def gated(req: Request, proposed: Draft) -> Draft:
         return proposed.head(gate.length(proposed.source, len(proposed)))
     if isinstance(gate, TreeGate) and proposed.scores is not None:
         keep = gate.keep(proposed.scores.tolist(), depths(proposed.tree).tolist())
-        tree, index = prune(proposed.tree, torch.tensor(keep, dtype=torch.bool))
-        kept = index >= 0  # [N]
-        q = None if proposed.q is None else proposed.q[kept]
-        return Draft(tree, q, proposed.scores[kept], proposed.forwards, proposed.source)
+        return _pruned(proposed, torch.tensor(keep, dtype=torch.bool))
     return proposed
 
 

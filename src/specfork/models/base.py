@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -23,6 +24,24 @@ from specfork.models.cost import CostCurve
 from specfork.models.layers import Linear, RMSNorm, Rotary
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class Segment:
+    """One sequence's rows in a batched forward: tokens [T] at positions [T], appended to its
+    own cache (from `cache.length` on), with a [T, T] mask (None: causal)."""
+
+    tokens: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    cache: KVCache
+    mask: torch.Tensor | None = None  # [T, T] bool
+
+    def __post_init__(self) -> None:
+        t = self.tokens.shape
+        if self.tokens.dim() != 1 or not t[0] or self.positions.shape != t:
+            raise ValueError(f"a segment needs tokens and positions [T], T > 0, not {tuple(t)}")
+        if self.mask is not None and self.mask.shape != (t[0], t[0]):
+            raise ValueError(f"a segment's mask must be [{t[0]}, {t[0]}]")
 
 
 class Steps:
@@ -39,6 +58,24 @@ class Steps:
             rows = dict(zip(self._cost.rows, (round(c, 2) for c in self._cost.cost), strict=True))
             log.info("forward cost by rows (in one-row forwards): %s", rows)
         return self._cost
+
+    def forward_batch(
+        self, segments: Sequence[Segment], capture: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Several sequences in one step: hidden states [T, D] of all their rows (segment
+        order) and the outputs [C, T, D] of the blocks in `capture` (None if none). Each
+        segment attends to its own cache only. This one runs the segments one after another;
+        a model that can pack them in one forward overrides it (FastLM)."""
+        if len(segments) != len({id(s.cache) for s in segments}):
+            raise ValueError("two segments of a batch share a cache")
+        hidden, captured = [], []
+        for seg in segments:
+            h, c = self.forward_capturing(  # type: ignore[attr-defined]
+                seg.tokens[None], seg.positions, seg.cache, mask=seg.mask, capture=capture
+            )  # [1, T_i, D], [C, T_i, D] or None
+            hidden.append(h[0])
+            captured.append(c)
+        return torch.cat(hidden), torch.cat(captured, dim=1) if capture else None
 
     def extend(
         self,

@@ -19,7 +19,7 @@ import torch
 
 from specfork.cache import KVCache
 from specfork.config import ModelConfig
-from specfork.models.base import DecoderLM, Steps
+from specfork.models.base import DecoderLM, Segment, Steps
 from specfork.models.layers import rope_inv_freq
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,39 @@ class FastLM(Steps):
         )  # fmt: skip
         cache.commit_pending()
         return hidden[None], captured  # [1, T, D], [C, T, D]
+
+    def forward_batch(
+        self, segments: Sequence[Segment], capture: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Several sequences in one forward of the kernels: the linear layers run once over
+        all rows, each segment's rows attend to their own cache. Hidden states [T, D] (segment
+        order) and the outputs [C, T, D] of the blocks in `capture` (None if none); each row
+        bitwise what its sequence gets alone (the kernels are batch-invariant)."""
+        if not segments:
+            raise ValueError("forward_batch needs at least one segment")
+        if len(segments) != len({id(s.cache) for s in segments}):
+            raise ValueError("two segments of a batch share a cache")
+        tokens = torch.cat([s.tokens for s in segments])  # [T]
+        positions = torch.cat([s.positions for s in segments])  # [T]
+        captured = None
+        if capture:
+            captured = torch.empty(len(capture), len(tokens), self.config.hidden_size)  # [C, T, D]
+        starts = [s.cache.reserve(s.positions) for s in segments]
+        no_mask = torch.empty(0, dtype=torch.bool)
+        try:
+            hidden = self.core.forward_batch(
+                tokens, positions, [len(s.tokens) for s in segments],
+                [no_mask if s.mask is None else s.mask for s in segments],
+                [s.cache.k for s in segments], [s.cache.v for s in segments],
+                [s.cache.positions for s in segments], starts, None, list(capture), captured,
+            )  # fmt: skip
+        except BaseException:
+            for s in segments:
+                s.cache.drop_pending()
+            raise
+        for s in segments:
+            s.cache.commit_pending()
+        return hidden, captured  # [T, D], [C, T, D]
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input embeddings [T, D] (float32) of tokens [T], as the forward's first step."""

@@ -14,6 +14,7 @@ extra verification rows are not free (see docs/benchmarks.md).
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -77,6 +78,39 @@ def best_length(rates: list[float], cost: CostCurve, draft_cost: float = 0.0) ->
     return best
 
 
+def allocate(values: list[list[float]], fixed_rows: int, cost: CostCurve) -> list[int]:
+    """How many draft nodes each request of a batch verifies, to maximise expected tokens per
+    unit of cost for the whole batch.
+
+    `values[r]` are request r's drafted nodes in the order it would keep them, each the
+    probability that the node is accepted. The forward already holds `fixed_rows` rows (each
+    request's root, prompt chunks); every request emits at least one token. The requests'
+    sequences are merged, always taking the best next node of any request (so each request's
+    nodes stay in order), and the prefix with the best E / c(rows) wins: one request alone
+    keeps what its own gate would, and a full batch, whose extra rows cost nearly as much as
+    whole tokens, keeps only the nodes that are nearly sure.
+    """
+    heads = [(-vs[0], r, 0) for r, vs in enumerate(values) if vs]
+    heapq.heapify(heads)
+    merged: list[tuple[float, int]] = []
+    while heads:
+        v, r, i = heapq.heappop(heads)
+        merged.append((-v, r))
+        if i + 1 < len(values[r]):
+            heapq.heappush(heads, (-values[r][i + 1], r, i + 1))
+    expected, rows = float(len(values)), fixed_rows
+    best, best_value = 0, expected / cost(rows)
+    for n, (v, _) in enumerate(merged, start=1):
+        expected += v
+        value = expected / cost(rows + n)
+        if value > best_value:
+            best, best_value = n, value
+    kept = [0] * len(values)
+    for _, r in merged[:best]:
+        kept[r] += 1
+    return kept
+
+
 class GoodputGate:
     """Trims drafts to their best expected length for one request (see the module doc)."""
 
@@ -123,6 +157,10 @@ class TreeGate:
         self.cost = cost
         self.hits: dict[tuple[int, int], float] = {}
         self.trials: dict[tuple[int, int], float] = {}
+
+    def probability(self, score: float, depth: int) -> float:
+        """P(a node of this prior score and depth is on the accepted path), as learned."""
+        return self._p(_node_key(score, depth), score)
 
     def _p(self, key: tuple[int, int], score: float) -> float:
         prior = min(PRIOR, score)

@@ -236,77 +236,48 @@ class FastModel {
                         torch::Tensor v_cache, torch::Tensor cache_positions, int64_t start,
                         std::optional<std::vector<int64_t>> layers,
                         std::vector<int64_t> capture, std::optional<torch::Tensor> captured) {
-    check(embed_ != nullptr && head_.n > 0, "the model is not complete");
     const int64_t T = tokens.numel();
     check(positions.numel() == T && T > 0, "tokens and positions must have the same length > 0");
-    auto tok = tokens.to(torch::kInt64).contiguous();
     auto pos = positions.to(torch::kInt64).contiguous();
-    auto kpos = cache_positions.to(torch::kInt64).contiguous();
-    check(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
-    check(k_cache.dim() == 5 && k_cache.size(1) == 1 && k_cache.size(2) == heads_kv_ &&
-              k_cache.size(4) == head_dim_,
-          "the KV cache has the wrong shape");
-    const int64_t slots = k_cache.size(3);
-    check(start >= 0 && start + T <= slots, "the new tokens do not fit in the cache");
-    const CacheType ctype = cache_type(k_cache);
+    std::vector<Seg> segs;
+    segs.push_back(segment(pos.data_ptr<int64_t>(), 0, T, mask, k_cache, v_cache, cache_positions, start));
+    return run(tokens, pos, segs, layers, capture, captured);
+  }
 
-    torch::Tensor out = torch::empty({T, hidden_}, torch::kFloat32);
-    float* h = out.data_ptr<float>();
-    embed(tok.data_ptr<int64_t>(), T, h);
-
-    std::vector<float> cos_full, sin_full, cos_local, sin_local;
-    rope_tables(rope_full_, pos.data_ptr<int64_t>(), T, cos_full, sin_full);
-    if (rope_local_.inv.defined()) rope_tables(rope_local_, pos.data_ptr<int64_t>(), T, cos_local, sin_local);
-    const bool* m = nullptr;
-    torch::Tensor mask_c;
-    if (mask.has_value()) {
-      mask_c = mask->to(torch::kBool).contiguous();
-      check(mask_c.numel() == T * T, "the tree mask must be [T, T]");
-      m = mask_c.data_ptr<bool>();
+  // Several sequences in one forward: segment i is rows [sum(rows[:i]), sum(rows[:i+1])) of
+  // tokens/positions [T], with its own mask [rows_i, rows_i] (an empty tensor: causal), cache
+  // and start, as in `forward`. The linear layers run once over all T rows; each segment's
+  // rows attend to their own cache only. Rows are batch-invariant, so a sequence's outputs are
+  // bitwise those it gets alone.
+  torch::Tensor forward_batch(torch::Tensor tokens, torch::Tensor positions,
+                              std::vector<int64_t> rows, std::vector<torch::Tensor> masks,
+                              std::vector<torch::Tensor> k_caches,
+                              std::vector<torch::Tensor> v_caches,
+                              std::vector<torch::Tensor> cache_positions,
+                              std::vector<int64_t> starts,
+                              std::optional<std::vector<int64_t>> layers,
+                              std::vector<int64_t> capture, std::optional<torch::Tensor> captured) {
+    const size_t n = rows.size();
+    check(n > 0 && masks.size() == n && k_caches.size() == n && v_caches.size() == n &&
+              cache_positions.size() == n && starts.size() == n,
+          "forward_batch needs one mask, cache pair, cache positions and start per segment");
+    const int64_t T = tokens.numel();
+    check(positions.numel() == T && T > 0, "tokens and positions must have the same length > 0");
+    auto pos = positions.to(torch::kInt64).contiguous();
+    std::vector<Seg> segs;
+    int64_t row0 = 0;
+    for (size_t i = 0; i < n; ++i) {
+      check(rows[i] > 0 && row0 + rows[i] <= T, "segment rows must be > 0 and add up to T");
+      std::optional<torch::Tensor> mask;
+      if (masks[i].numel() > 0) mask = masks[i];
+      for (size_t j = 0; j < i; ++j)
+        check(k_caches[j].data_ptr() != k_caches[i].data_ptr(), "two segments share a cache");
+      segs.push_back(segment(pos.data_ptr<int64_t>(), row0, rows[i], mask, k_caches[i],
+                             v_caches[i], cache_positions[i], starts[i]));
+      row0 += rows[i];
     }
-    const AttnPlan plan_full =
-        plan_attention(visible(pos.data_ptr<int64_t>(), T, m, kpos.data_ptr<int64_t>(), start, -1), T);
-    const AttnPlan plan_local = window_ > 0
-        ? plan_attention(visible(pos.data_ptr<int64_t>(), T, m, kpos.data_ptr<int64_t>(), start, window_), T)
-        : AttnPlan{};
-
-    std::vector<int64_t> run;
-    if (layers.has_value()) {
-      run = *layers;
-    } else {
-      for (int64_t i = 0; i < num_layers(); ++i) run.push_back(i);
-    }
-    float* cap = nullptr;
-    if (!capture.empty()) {
-      check(captured.has_value() && captured->is_contiguous() &&
-                captured->dtype() == torch::kFloat32 && captured->dim() == 3 &&
-                captured->size(0) == static_cast<int64_t>(capture.size()) &&
-                captured->size(1) == T && captured->size(2) == hidden_,
-            "captured must be a contiguous float32 [C, T, hidden] tensor");
-      cap = captured->data_ptr<float>();
-      for (int64_t c : capture)
-        check(std::find(run.begin(), run.end(), c) != run.end(), "a captured layer is not run");
-    }
-    const int64_t per_layer = heads_kv_ * slots * head_dim_;
-    for (int64_t i : run) {
-      check(i >= 0 && i < num_layers(), "layer index out of range");
-      const Layer& l = layers_[i];
-      const bool local = l.sliding && window_ > 0;
-      KVView kv;
-      kv.type = ctype;
-      kv.slots = slots;
-      const int64_t esize = k_cache.element_size();
-      kv.k = static_cast<char*>(k_cache.data_ptr()) + i * per_layer * esize;
-      kv.v = static_cast<char*>(v_cache.data_ptr()) + i * per_layer * esize;
-      const bool own_rope = l.sliding && rope_local_.inv.defined();
-      block(l, h, T, kv, start, local ? plan_local : plan_full, own_rope ? cos_local : cos_full,
-            own_rope ? sin_local : sin_full);
-      for (size_t j = 0; j < capture.size(); ++j)
-        if (capture[j] == i) std::memcpy(cap + j * T * hidden_, h, sizeof(float) * T * hidden_);
-    }
-    for (int64_t r = 0; r < T; ++r)
-      rmsnorm(h + r * hidden_, final_norm_.w.data_ptr<float>(), hidden_, eps_, h + r * hidden_);
-    return out;
+    check(row0 == T, "segment rows must add up to T");
+    return run(tokens, pos, segs, layers, capture, captured);
   }
 
   // tokens [T] int64 → their input embeddings [T, hidden] float32 (scaled as the forward does)
@@ -334,6 +305,96 @@ class FastModel {
     torch::Tensor inv;
     float scaling = 1.f;
   };
+
+  struct Seg {  // one sequence's rows of a forward, its cache and its attention plans
+    int64_t row0, rows, start, slots;
+    torch::Tensor k, v;  // [L, 1, Hkv, S, D]
+    CacheType type;
+    AttnPlan full, local;
+
+    KVView view(int64_t layer, int64_t per_layer) const {
+      KVView kv;
+      kv.type = type;
+      kv.slots = slots;
+      const int64_t esize = k.element_size();
+      kv.k = static_cast<char*>(k.data_ptr()) + layer * per_layer * esize;
+      kv.v = static_cast<char*>(v.data_ptr()) + layer * per_layer * esize;
+      return kv;
+    }
+  };
+
+  // Rows [row0, row0 + T) of positions `pos`, their mask, cache and first new slot.
+  Seg segment(const int64_t* pos, int64_t row0, int64_t T, const std::optional<torch::Tensor>& mask,
+              const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+              const torch::Tensor& cache_positions, int64_t start) const {
+    check(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+    check(k_cache.dim() == 5 && k_cache.size(1) == 1 && k_cache.size(2) == heads_kv_ &&
+              k_cache.size(4) == head_dim_ && v_cache.sizes() == k_cache.sizes() &&
+              k_cache.size(0) >= num_layers(),
+          "the KV cache has the wrong shape");
+    check(v_cache.dtype() == k_cache.dtype(), "keys and values must have one dtype");
+    const int64_t slots = k_cache.size(3);
+    check(start >= 0 && start + T <= slots, "the new tokens do not fit in the cache");
+    auto kpos = cache_positions.to(torch::kInt64).contiguous();
+    check(kpos.numel() >= start, "cache positions must cover the filled slots");
+    const bool* m = nullptr;
+    torch::Tensor mask_c;
+    if (mask.has_value()) {
+      mask_c = mask->to(torch::kBool).contiguous();
+      check(mask_c.numel() == T * T, "the tree mask must be [T, T]");
+      m = mask_c.data_ptr<bool>();
+    }
+    const int64_t* p = pos + row0;
+    Seg s{row0, T, start, slots, k_cache, v_cache, cache_type(k_cache), {}, {}};
+    s.full = plan_attention(visible(p, T, m, kpos.data_ptr<int64_t>(), start, -1), T);
+    if (window_ > 0) s.local = plan_attention(visible(p, T, m, kpos.data_ptr<int64_t>(), start, window_), T);
+    return s;
+  }
+
+  torch::Tensor run(const torch::Tensor& tokens, const torch::Tensor& pos, const std::vector<Seg>& segs,
+                    const std::optional<std::vector<int64_t>>& layers,
+                    const std::vector<int64_t>& capture, const std::optional<torch::Tensor>& captured) {
+    check(embed_ != nullptr && head_.n > 0, "the model is not complete");
+    const int64_t T = tokens.numel();
+    auto tok = tokens.to(torch::kInt64).contiguous();
+    torch::Tensor out = torch::empty({T, hidden_}, torch::kFloat32);
+    float* h = out.data_ptr<float>();
+    embed(tok.data_ptr<int64_t>(), T, h);
+
+    std::vector<float> cos_full, sin_full, cos_local, sin_local;
+    rope_tables(rope_full_, pos.data_ptr<int64_t>(), T, cos_full, sin_full);
+    if (rope_local_.inv.defined()) rope_tables(rope_local_, pos.data_ptr<int64_t>(), T, cos_local, sin_local);
+
+    std::vector<int64_t> run;
+    if (layers.has_value()) {
+      run = *layers;
+    } else {
+      for (int64_t i = 0; i < num_layers(); ++i) run.push_back(i);
+    }
+    float* cap = nullptr;
+    if (!capture.empty()) {
+      check(captured.has_value() && captured->is_contiguous() &&
+                captured->dtype() == torch::kFloat32 && captured->dim() == 3 &&
+                captured->size(0) == static_cast<int64_t>(capture.size()) &&
+                captured->size(1) == T && captured->size(2) == hidden_,
+            "captured must be a contiguous float32 [C, T, hidden] tensor");
+      cap = captured->data_ptr<float>();
+      for (int64_t c : capture)
+        check(std::find(run.begin(), run.end(), c) != run.end(), "a captured layer is not run");
+    }
+    for (int64_t i : run) {
+      check(i >= 0 && i < num_layers(), "layer index out of range");
+      const Layer& l = layers_[i];
+      const bool local = l.sliding && window_ > 0;
+      const bool own_rope = l.sliding && rope_local_.inv.defined();
+      block(l, i, h, T, segs, local, own_rope ? cos_local : cos_full, own_rope ? sin_local : sin_full);
+      for (size_t j = 0; j < capture.size(); ++j)
+        if (capture[j] == i) std::memcpy(cap + j * T * hidden_, h, sizeof(float) * T * hidden_);
+    }
+    for (int64_t r = 0; r < T; ++r)
+      rmsnorm(h + r * hidden_, final_norm_.w.data_ptr<float>(), hidden_, eps_, h + r * hidden_);
+    return out;
+  }
 
   static CacheType cache_type(const torch::Tensor& t) {
     if (t.dtype() == torch::kFloat32) return CacheType::F32;
@@ -399,9 +460,8 @@ class FastModel {
       }
   }
 
-  void block(const Layer& l, float* h, int64_t T, const KVView& kv, int64_t start,
-             const AttnPlan& plan, const std::vector<float>& cos_t,
-             const std::vector<float>& sin_t) {
+  void block(const Layer& l, int64_t layer, float* h, int64_t T, const std::vector<Seg>& segs,
+             bool local, const std::vector<float>& cos_t, const std::vector<float>& sin_t) {
     const int64_t D = hidden_, qd = heads_ * head_dim_, kvd = heads_kv_ * head_dim_;
     x_.resize(T * std::max(D, ffn_));
     qkv_.resize(T * l.qkv.n);
@@ -427,8 +487,14 @@ class FastModel {
       }
     rope_rows(q, ld, T, heads_, cos_t, sin_t);
     rope_rows(k, ld, T, heads_kv_, cos_t, sin_t);
-    write_kv(kv, k, v, ld, T, heads_kv_, head_dim_, start);
-    attention(q, ld, kv, plan, AttnShape{T, heads_, heads_kv_, head_dim_, attn_scale_}, att_.data());
+    const int64_t per_layer = heads_kv_ * head_dim_;  // times slots, per segment
+    for (const Seg& s : segs) {  // each sequence's rows attend to its own cache
+      const KVView kv = s.view(layer, per_layer * s.slots);
+      const int64_t off = s.row0 * ld;
+      write_kv(kv, k + off, v + off, ld, s.rows, heads_kv_, head_dim_, s.start);
+      attention(q + off, ld, kv, local ? s.local : s.full,
+                AttnShape{s.rows, heads_, heads_kv_, head_dim_, attn_scale_}, att_.data() + s.row0 * qd);
+    }
     {
       Activations a(att_.data(), T, qd, qd);
       l.o.run(a, x_.data(), D);
@@ -506,6 +572,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_head", &sf::FastModel::set_head)
       .def("add_layer", &sf::FastModel::add_layer)
       .def("forward", &sf::FastModel::forward, py::call_guard<py::gil_scoped_release>())
+      .def("forward_batch", &sf::FastModel::forward_batch, py::call_guard<py::gil_scoped_release>())
       .def("logits", &sf::FastModel::logits, py::call_guard<py::gil_scoped_release>())
       .def("embed_tokens", &sf::FastModel::embed_tokens)
       .def_property_readonly("num_layers", &sf::FastModel::num_layers);

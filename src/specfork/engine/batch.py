@@ -1,0 +1,426 @@
+"""Continuous batching: several requests advance in one target forward per step.
+
+A step is nano-vllm's schedule → run → postprocess. Every decoding request plans its round
+(its drafter proposes, its own goodput gate trims), then the batch's goodput allocation trims
+the drafts together against the measured cost of the whole forward (`goodput.allocate`):
+alone a request drafts as it would in `Generator.stream`, in a full batch only the nodes that
+are nearly sure survive. Requests still reading their prompt get chunks of it in the rows the
+step has left (chunked prefill mixed with decoding). One `forward_batch` runs every row —
+each request's rows attend to its own cache — and each request then accepts, commits and
+learns exactly as it would alone. On batch-invariant models (specfork's kernels) a request's
+logits are bitwise those it gets alone, so greedy output does not depend on the batch.
+
+New requests join between steps (`add`), finished and cancelled ones leave at once and give
+their cache back. The scheduler does no queueing of its own: callers (the server's worker,
+`generate_batch`) keep the waiting line and add while `has_room`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.drafters.base import Draft, Feedback
+from specfork.engine.lifecycle import GenerationResult, first_tokens, result, stopped, take
+from specfork.engine.request import Request
+from specfork.engine.round import (
+    Planned,
+    finish_round,
+    node_order,
+    plan_round,
+    propose,
+    round_segment,
+)
+from specfork.errors import ConfigError
+from specfork.models.base import Segment
+from specfork.strategies.goodput import PRIOR, GoodputGate, TreeGate, allocate
+from specfork.tree import depths
+
+log = logging.getLogger(__name__)
+
+STEP_HISTORY = 256  # step records kept for tracing
+
+
+@dataclass(frozen=True, slots=True)
+class BatchConfig:
+    """How the scheduler fills a step (validated on construction)."""
+
+    max_running: int = 8  # requests decoding at once
+    step_rows: int = 128  # rows a step's forward may hold (prompt chunks fill what is left)
+    kv_budget_bytes: int | None = None  # KV cache all running requests may hold (None: any)
+    goodput: bool = True  # trim drafts together to the batch's best expected tokens/cost
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "step_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.step_rows < self.max_running:
+            raise ConfigError(
+                f"step_rows ({self.step_rows}) must hold at least one row per running request "
+                f"(max_running {self.max_running}); raise step_rows or lower max_running"
+            )
+        b = self.kv_budget_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ConfigError(f"kv_budget_bytes must be an integer >= 1 or None, got {b!r}")
+
+
+@dataclass(eq=False)
+class Running:
+    """A request in the scheduler: its state and where it stands."""
+
+    req: Request
+    admitted: float  # perf_counter time it joined
+    prefilled: int = 0  # prompt tokens already in its cache
+    decode_started: float | None = None  # time of its first token
+    finished: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.req.prompt_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """What a step did for one request: new text, and its result when it ended."""
+
+    running: Running
+    text: str
+    result: GenerationResult | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One step, for tracing and metrics."""
+
+    requests: int  # requests in the forward
+    rows: int  # rows of the forward
+    prefill_rows: int
+    draft_rows: int  # drafted nodes verified
+    predicted: float  # expected accepted draft tokens (the allocation's estimate)
+    accepted: int  # draft tokens the target accepted
+    seconds: float  # the whole step
+
+
+@dataclass
+class _Work:
+    """A step's plan: decoding requests with their rounds, prompt chunks, segments."""
+
+    rounds: list[tuple[Running, Planned]] = field(default_factory=list)
+    chunks: list[tuple[Running, int]] = field(default_factory=list)  # (request, rows)
+    segments: list[Segment] = field(default_factory=list)
+    predicted: float = 0.0
+
+
+class Scheduler:
+    """Runs many requests of one `Generator` together (see the module doc)."""
+
+    def __init__(self, generator: object, config: BatchConfig | None = None) -> None:
+        from specfork.engine import Generator  # the engine package imports this module
+
+        if not isinstance(generator, Generator):
+            raise ConfigError("the scheduler runs a specfork.engine.Generator")
+        self.generator = generator
+        self.model = generator.model
+        self.config = config or BatchConfig()
+        self.running: list[Running] = []
+        self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
+
+    # -- admission ------------------------------------------------------------------------------
+    def has_room(self, prompt_tokens: int = 0, max_new_tokens: int = 0) -> bool:
+        """Whether a request of this size may join now (a slot, and KV memory for it)."""
+        if len(self.running) >= self.config.max_running:
+            return False
+        budget = self.config.kv_budget_bytes
+        if budget is None or not self.running:
+            return True  # a lone request always runs (its own limits refuse what cannot fit)
+        need = self._kv_bytes(prompt_tokens + max_new_tokens)
+        return self.kv_bytes() + need <= budget
+
+    def kv_bytes(self) -> int:
+        """KV cache bytes the running requests hold."""
+        return sum(r.req.cache.k.nbytes + r.req.cache.v.nbytes for r in self.running)
+
+    def _kv_bytes(self, slots: int) -> int:
+        c = self.model.config
+        per_slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.model.dtype.itemsize
+        return per_slot * slots
+
+    def add(
+        self,
+        prompt: object,
+        *,
+        chat: bool | None = None,
+        config: GenerationConfig | None = None,
+        sampling: SamplingParams | None = None,
+        spec: SpecConfig | None = None,
+    ) -> Running:
+        """Admit a request (validated as `Generator.stream` validates; errors raise here and
+        leave the scheduler as it was). It prefills from the next step on."""
+        req = self.generator.open_request(
+            prompt, chat=chat, config=config, sampling=sampling, spec=spec
+        )
+        running = Running(req, time.perf_counter())
+        self.running.append(running)
+        return running
+
+    def cancel(self, running: Running) -> None:
+        """Stop a request now: it leaves the batch and its cache is freed."""
+        if running in self.running:
+            self.running.remove(running)
+            running.req.out.finish("cancelled")
+            running.finished = True
+            self.generator.release(running.req, keep=self.config.max_running)
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[Update]:
+        """Advance every running request by one forward; what each of them produced."""
+        if not self.running:
+            return []
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            work = self._schedule()
+            hidden, captured, capture = self._run(work)
+            tokens = self._postprocess(work, hidden, captured, capture)
+        updates = [self._emit(r, toks) for r, toks in tokens]
+        self._record(work, t0)
+        return updates
+
+    def _schedule(self) -> _Work:
+        """Plan every decoding request's round, trim the drafts together, and give the rows
+        left to prompt chunks (in arrival order)."""
+        work = _Work()
+        decoding = [r for r in self.running if not r.prefilling]
+        budget = self.config.step_rows - len(decoding)
+        plans = [propose(r.req) for r in decoding]
+        trims = self._trims([d for _, _, d in plans], budget, len(decoding))
+        for running, n, (shape, proposed, draft) in zip(decoding, trims, plans, strict=True):
+            planned = plan_round(running.req, (shape, proposed, draft), n)
+            work.rounds.append((running, planned))
+            work.predicted += sum(self._values(running.req, planned.draft))
+            work.segments.append(round_segment(running.req, planned.draft, self.model.device))
+            budget -= len(planned.draft)
+        for running in self.running:
+            if running.prefilling and budget > 0:
+                rows = self._chunk(running, budget)
+                work.chunks.append((running, rows))
+                work.segments.append(self._prompt_segment(running, rows))
+                budget -= rows
+        return work
+
+    def _trims(self, drafts: list[Draft], budget: int, roots: int) -> list[int]:
+        """How many nodes each draft keeps: the batch's goodput allocation, within the rows
+        the step has (`budget` after the roots)."""
+        values = [self._values(r.req, d) for r, d in zip(self._decoding(), drafts, strict=True)]
+        if self.config.goodput and any(len(d) for d in drafts):
+            prefill = min(budget, sum(self._prompt_left(r) for r in self.running))
+            kept = allocate(values, roots + prefill, self.generator.cost_curve())
+        else:
+            kept = [len(d) for d in drafts]
+        out = []
+        for k in kept:  # the best nodes first when the rows run out
+            out.append(max(0, min(k, budget)))
+            budget -= out[-1]
+        return out
+
+    def _decoding(self) -> list[Running]:
+        return [r for r in self.running if not r.prefilling]
+
+    @staticmethod
+    def _prompt_left(running: Running) -> int:
+        return len(running.req.prompt_ids) - running.prefilled
+
+    def _values(self, req: Request, draft: Draft) -> list[float]:
+        """P(accepted) of each drafted node in `node_order`: learned by the request's gate
+        when it has one, else the drafter's scores or a prior."""
+        if not len(draft):
+            return []
+        order = node_order(draft)
+        gate = req.gate
+        if isinstance(gate, GoodputGate) and draft.is_chain:
+            rates, p = gate.stats.rates(draft.source, len(draft)), 1.0
+            raw = []
+            for a in rates:
+                p *= a
+                raw.append(p)
+        elif isinstance(gate, TreeGate) and draft.scores is not None:
+            s, d = draft.scores.tolist(), depths(draft.tree).tolist()
+            raw = [gate.probability(s[i], d[i]) for i in order]
+        elif draft.scores is not None:
+            s = draft.scores.tolist()
+            raw = [min(1.0, s[i]) for i in order]
+        else:
+            d = depths(draft.tree).tolist()
+            raw = [PRIOR ** d[i] for i in order]
+        return raw
+
+    def _chunk(self, running: Running, budget: int) -> int:
+        """Prompt rows for this step: what is left, within the budget and the prefill chunk.
+        A model whose rows are not batch-invariant keeps the chunking of `stream` (whole
+        prefill chunks), so its outputs stay those of a lone request."""
+        left = self._prompt_left(running)
+        chunk = self.generator.prefill_chunk
+        if getattr(self.model, "batch_invariant", False):
+            return min(left, chunk, budget)
+        done = running.prefilled
+        return min(left, chunk - done % chunk)
+
+    def _prompt_segment(self, running: Running, rows: int) -> Segment:
+        req, dev = running.req, self.model.device
+        part = req.prompt_ids[running.prefilled : running.prefilled + rows]
+        start = req.cache.length
+        positions = torch.arange(start, start + rows, device=dev)  # [rows]
+        return Segment(torch.tensor(part, device=dev), positions, req.cache)
+
+    def _run(self, work: _Work) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
+        """The forward of every segment: hidden [T, D], the captured blocks [C, T, D] (the
+        union of what the drafters ask for) and which blocks they are."""
+        layers: set[int] = set()
+        for running in self.running:
+            if running.req.drafter is not None:
+                layers.update(running.req.drafter.hidden_layers)
+        capture = tuple(sorted(layers))
+        t0 = time.perf_counter()
+        hidden, captured = self.model.forward_batch(work.segments, capture)  # [T, D]
+        spent = time.perf_counter() - t0
+        for running, _ in work.rounds:
+            running.req.stats.verify_seconds += spent
+        return hidden, captured, capture
+
+    def _postprocess(
+        self,
+        work: _Work,
+        hidden: torch.Tensor,
+        captured: torch.Tensor | None,
+        capture: tuple[int, ...],
+    ) -> list[tuple[Running, list[int]]]:
+        """Each request accepts, commits and learns from its rows; prompt chunks feed their
+        drafters, and a finished prompt yields its first token."""
+        spans, row = [], 0
+        for seg in work.segments:
+            spans.append((row, row + len(seg.tokens)))
+            row += len(seg.tokens)
+        logits = self._logits(work, hidden, spans)
+        out = []
+        for i, (running, planned) in enumerate(work.rounds):
+            a, b = spans[i]
+            mine = self._captured(running.req, captured, capture, a, b)
+            out.append((running, finish_round(running.req, planned, logits[i], mine)))
+        for j, (running, rows) in enumerate(work.chunks):
+            a, b = spans[len(work.rounds) + j]
+            mine = self._captured(running.req, captured, capture, a, b)
+            tokens = self._prompt_done(running, rows, logits[len(work.rounds) + j], mine)
+            if tokens:
+                out.append((running, tokens))
+        return out
+
+    def _logits(
+        self, work: _Work, hidden: torch.Tensor, spans: list[tuple[int, int]]
+    ) -> list[torch.Tensor]:
+        """Logits of the rows each segment needs: every row of a round; a prompt chunk's last
+        row (every row for a drafter that learns from logits). One LM-head call on
+        batch-invariant models, one per segment otherwise (as alone)."""
+        wanted = []
+        for i, (a, b) in enumerate(spans):
+            if i < len(work.rounds):
+                wanted.append(list(range(a, b)))
+                continue
+            drafter = work.chunks[i - len(work.rounds)][0].req.drafter
+            every = drafter is not None and drafter.wants_logits
+            wanted.append(list(range(a, b)) if every else [b - 1])
+        if getattr(self.model, "batch_invariant", False):
+            flat = [r for rows in wanted for r in rows]
+            logits = self.model.logits(hidden[flat])  # [R, V]
+            return list(logits.split([len(rows) for rows in wanted]))
+        return [self.model.logits(hidden[rows]) for rows in wanted]
+
+    @staticmethod
+    def _captured(
+        req: Request, captured: torch.Tensor | None, capture: tuple[int, ...], a: int, b: int
+    ) -> torch.Tensor | None:
+        """The blocks `req`'s drafter asked for, at its rows [a, b): [C_req, b - a, D]."""
+        if captured is None or req.drafter is None or not req.drafter.hidden_layers:
+            return None
+        index = [capture.index(layer) for layer in req.drafter.hidden_layers]
+        return captured[index, a:b]
+
+    def _prompt_done(
+        self, running: Running, rows: int, logits: torch.Tensor, hidden: torch.Tensor | None
+    ) -> list[int]:
+        """A prompt chunk ran: its drafter learns; after the last chunk, the first token."""
+        req = running.req
+        part = req.prompt_ids[running.prefilled : running.prefilled + rows]
+        running.prefilled += rows
+        drafter = req.drafter
+        if drafter is not None and (drafter.wants_logits or drafter.hidden_layers):
+            dev = logits.device
+            wanted = logits if drafter.wants_logits else None
+            feedback = Feedback(running.prefilled, torch.tensor(part, device=dev), [],
+                                wanted, hidden, prompt=True)  # fmt: skip
+            drafter.observe(feedback)
+        if running.prefilling:
+            return []
+        now = time.perf_counter()
+        req.stats.prefill_seconds = now - running.admitted
+        tokens = first_tokens(req, logits[-1])
+        req.stats.time_to_first_token = time.perf_counter() - running.admitted
+        running.decode_started = time.perf_counter()
+        return tokens
+
+    def _emit(self, running: Running, tokens: list[int]) -> Update:
+        """Take a request's tokens; when it ends, its result (and its cache goes back)."""
+        req = running.req
+        take(req, tokens)
+        if not stopped(req, running.admitted):
+            return Update(running, req.out.new_text())
+        assert running.decode_started is not None
+        req.stats.decode_seconds = time.perf_counter() - running.decode_started
+        text = req.out.new_text()
+        self.running.remove(running)
+        running.finished = True
+        self.generator.release(req, keep=self.config.max_running)
+        return Update(running, text, result(req))
+
+    def _record(self, work: _Work, t0: float) -> None:
+        draft_rows = sum(len(p.draft) for _, p in work.rounds)
+        accepted = sum(
+            r.req.stats.rounds[-1].accepted for r, _ in work.rounds if r.req.stats.rounds
+        )
+        prefill = sum(rows for _, rows in work.chunks)
+        rows = len(work.rounds) + draft_rows + prefill
+        seconds = time.perf_counter() - t0
+        self.steps.append(StepRecord(len(work.segments), rows, prefill, draft_rows,
+                                     work.predicted, accepted, seconds))  # fmt: skip
+
+
+def generate_batch(
+    generator: object,
+    prompts: list,
+    *,
+    chat: bool | None = None,
+    config: GenerationConfig | None = None,
+    sampling: SamplingParams | None = None,
+    spec: SpecConfig | None = None,
+    batch: BatchConfig | None = None,
+) -> list[GenerationResult]:
+    """Generate for every prompt, up to `batch.max_running` at a time; results in prompt
+    order. A prompt the engine refuses raises before anything runs."""
+    scheduler = Scheduler(generator, batch)
+    ids = [scheduler.generator.prompt_ids(p, chat=chat, config=config) for p in prompts]
+    waiting = deque(enumerate(ids))
+    results: dict[int, GenerationResult] = {}
+    index: dict[int, int] = {}
+    while waiting or scheduler.running:
+        while waiting and scheduler.has_room():
+            i, prompt = waiting.popleft()
+            running = scheduler.add(prompt, config=config, sampling=sampling, spec=spec)
+            index[id(running)] = i
+        for update in scheduler.step():
+            if update.result is not None:
+                results[index.pop(id(update.running))] = update.result
+    return [results[i] for i in range(len(prompts))]

@@ -1,0 +1,218 @@
+"""Continuous batching (engine/batch.py): several requests in one forward give each of them
+what it gets alone — bitwise rows on the kernels, identical greedy outputs for every strategy,
+identical sampled outputs when nothing is trimmed — and the scheduler frees what it holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.tiny_models import tiny_chat_llama
+
+from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.engine import Generator
+from specfork.engine.batch import BatchConfig, Scheduler, generate_batch
+from specfork.errors import ConfigError
+from specfork.kernels import load_kernels
+from specfork.loading.loader import LoadedModel, load_model
+from specfork.models.base import Segment
+from specfork.models.cost import CostCurve
+from specfork.strategies.goodput import allocate, best_length
+from specfork.tree import Tree, tree_mask, tree_positions
+
+KERNELS = load_kernels() is not None
+CURVE = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.25, 1.5, 2.3, 3.9, 6.8))  # fixed: reproducible
+PROMPTS = [
+    "the cat sat on the mat and the cat sat on the mat",
+    "abc abc abc abc",
+    "a much longer prompt that needs several prefill chunks when the step holds few rows",
+    "x",
+    "one two three one two three one two",
+]
+STRATEGIES = {
+    "ar": SpecConfig(),
+    "ngram": SpecConfig("speculative", "ngram", k=4),
+    "dspark": SpecConfig("dspark", "ngram"),
+    "spork": SpecConfig("spork", "recycle+ngram"),
+    "self": SpecConfig("speculative", "self", skip_layers="1", k=2),
+}
+PATHS = ["eager", "kernels"] if KERNELS else ["eager"]
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def loaded(request: pytest.FixtureRequest, tmp_path_factory, one_thread) -> LoadedModel:
+    folder = tiny_chat_llama(tmp_path_factory.mktemp("tiny"), chat=False, seed=3)
+    kernels = request.param == "kernels"
+    return load_model(str(folder), dtype="float32", kernels=kernels, progress=False)
+
+
+def _generator(loaded: LoadedModel, spec: SpecConfig) -> Generator:
+    return Generator(loaded, spec=spec, cost_curve=CURVE)
+
+
+def test_forward_batch_rows_equal_alone(loaded: LoadedModel) -> None:
+    """A chain, a tree and a single row, each with its own cache, in one forward: hidden
+    states and captured blocks equal those of three separate forwards."""
+    model = loaded.model
+    prefixes = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
+    tree = Tree(torch.tensor([20, 21, 22]), torch.tensor([-1, 0, 0]))
+    rows = [[30, 31, 32], [40, *tree.tokens.tolist()], [50]]
+    masks = [None, tree_mask(tree), None]
+    alone, batched = [], []
+    with torch.inference_mode():
+        for prefix, row, mask in zip(prefixes, rows, masks, strict=True):
+            one, two = model.new_cache(32), model.new_cache(32)
+            model.extend(prefix, one)
+            model.extend(prefix, two)
+            start = one.length
+            pos = (
+                torch.arange(start, start + len(row))
+                if mask is None
+                else tree_positions(tree, start)
+            )
+            alone.append(
+                model.forward_capturing(torch.tensor(row)[None], pos, one, mask, capture=(0, 1))
+            )
+            batched.append(Segment(torch.tensor(row), pos, two, mask))
+        hidden, captured = model.forward_batch(batched, capture=(0, 1))
+    expected = torch.cat([h[0] for h, _ in alone])  # [T, D]
+    assert hidden.shape == expected.shape
+    if model.batch_invariant:
+        assert torch.equal(hidden, expected)
+        assert torch.equal(captured, torch.cat([c for _, c in alone], dim=1))
+    else:
+        torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+    assert [s.cache.length for s in batched] == [7, 6, 7]
+
+
+def test_forward_batch_refuses_a_shared_cache(loaded: LoadedModel) -> None:
+    cache = loaded.model.new_cache(16)
+    seg = Segment(torch.tensor([1, 2]), torch.arange(2), cache)
+    with pytest.raises(ValueError, match="share a cache"):
+        loaded.model.forward_batch([seg, Segment(torch.tensor([3]), torch.arange(1), cache)])
+    with pytest.raises(ValueError, match="tokens and positions"):
+        Segment(torch.tensor([1, 2]), torch.arange(3), cache)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_batch_greedy_equals_alone(loaded: LoadedModel, name: str) -> None:
+    """Two running at most (requests join as others finish), eight rows a step (long prompts
+    are prefilled in chunks beside decoding requests): every output equals its lone run."""
+    gen = _generator(loaded, STRATEGIES[name])
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    alone = [gen.generate(p, config=config) for p in PROMPTS]
+    batch = BatchConfig(max_running=2, step_rows=8)
+    together = generate_batch(gen, PROMPTS, config=config, batch=batch)
+    for a, b in zip(alone, together, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.text == a.text and b.finish_reason == a.finish_reason == "length"
+        assert b.stats.new_tokens == 24 and b.stats.prompt_tokens == a.stats.prompt_tokens
+
+
+@pytest.mark.parametrize("name", ["ngram", "spork"])
+def test_batch_sampling_equals_alone_when_nothing_is_trimmed(
+    loaded: LoadedModel, name: str
+) -> None:
+    """Each request keeps its own random generator: without the batch's trimming, a sampled
+    request draws the same numbers in the same order as alone, so its output is the same."""
+    gen = _generator(loaded, STRATEGIES[name])
+    config = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    alone = [gen.generate(p, config=config, sampling=sampling) for p in PROMPTS]
+    batch = BatchConfig(max_running=5, step_rows=64, goodput=False)
+    together = generate_batch(gen, PROMPTS, config=config, sampling=sampling, batch=batch)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
+def test_allocation_alone_matches_the_gate_and_shrinks_in_a_full_batch() -> None:
+    rates = [0.9, 0.8, 0.6, 0.5]
+    values, p = [], 1.0
+    for a in rates:
+        p *= a
+        values.append(p)
+    assert allocate([values], 1, CURVE) == [best_length(rates, CURVE)]
+    assert allocate([values], 1, CURVE)[0] >= 3
+    full = allocate([values] * 16, 16, CURVE)
+    assert sum(full) < 16 * 3  # a full batch verifies far fewer draft rows
+    assert allocate([[0.1, 0.05]] * 16, 16, CURVE) == [0] * 16  # unlikely drafts: none
+    assert allocate([[], [0.99]], 2, CURVE) == [0, 1]
+
+
+def test_lone_requests_run_as_alone_and_the_step_trace_counts_rows(loaded: LoadedModel) -> None:
+    gen = _generator(loaded, STRATEGIES["ngram"])
+    config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    scheduler = Scheduler(gen, BatchConfig(max_running=4))
+    running = scheduler.add("abc abc abc abc", config=config)
+    results = []
+    while scheduler.running:
+        results += [u.result for u in scheduler.step() if u.result is not None]
+    assert results[0].token_ids == gen.generate("abc abc abc abc", config=config).token_ids
+    assert running.finished
+    steps = list(scheduler.steps)
+    assert steps[0].prefill_rows == results[0].stats.prompt_tokens
+    assert sum(s.draft_rows for s in steps) == sum(r.drafted for r in results[0].stats.rounds)
+    assert steps[0].rows == steps[0].prefill_rows  # the prompt alone in the first step
+    assert all(s.rows == 1 + s.draft_rows for s in steps[1:])  # then the root and its draft
+    assert sum(s.accepted for s in steps) == sum(r.accepted for r in results[0].stats.rounds)
+
+
+def test_cancel_frees_the_request_at_once(loaded: LoadedModel) -> None:
+    gen = _generator(loaded, STRATEGIES["ar"])
+    scheduler = Scheduler(gen, BatchConfig(max_running=2))
+    config = GenerationConfig(max_new_tokens=50, ignore_eos=True)
+    first = scheduler.add("one two three", config=config)
+    second = scheduler.add("four five six", config=config)
+    scheduler.step()
+    scheduler.step()
+    scheduler.cancel(first)
+    assert scheduler.running == [second] and first.finished
+    assert first.req.out.finish_reason == "cancelled"
+    updates = scheduler.step()
+    assert [u.running for u in updates] == [second]
+    assert scheduler.has_room()
+
+
+def test_memory_stays_bounded_over_a_thousand_requests(loaded: LoadedModel) -> None:
+    """1,000 short requests through four slots: nothing stays running, and the caches are
+    reused (a handful ever made, the free list bounded)."""
+    gen = _generator(loaded, STRATEGIES["ngram"])
+    config = GenerationConfig(max_new_tokens=2, ignore_eos=True)
+    scheduler = Scheduler(gen, BatchConfig(max_running=4))
+    caches: set[int] = set()
+    done, submitted = 0, 0
+    while done < 1000:
+        while submitted < 1000 and scheduler.has_room():
+            running = scheduler.add(f"request {submitted % 7}", config=config)
+            caches.add(id(running.req.cache))
+            submitted += 1
+        done += sum(u.result is not None for u in scheduler.step())
+    assert not scheduler.running
+    assert len(caches) <= 8
+    assert len(gen._free_caches) <= 4
+
+
+def test_kv_budget_holds_requests_back(loaded: LoadedModel) -> None:
+    gen = _generator(loaded, STRATEGIES["ar"])
+    config = GenerationConfig(max_new_tokens=8)
+    scheduler = Scheduler(gen, BatchConfig(max_running=4))
+    scheduler.add("hello", config=config)
+    per_request = scheduler.kv_bytes()
+    tight = Scheduler(gen, BatchConfig(max_running=4, kv_budget_bytes=per_request))
+    assert tight.has_room(5, 8)  # a lone request always runs
+    tight.add("hello", config=config)
+    assert not tight.has_room(5, 8)
+    assert scheduler.has_room(5, 8)
+
+
+def test_bad_batch_settings_are_refused() -> None:
+    with pytest.raises(ConfigError, match="max_running must be an integer >= 1"):
+        BatchConfig(max_running=0)
+    with pytest.raises(ConfigError, match="step_rows"):
+        BatchConfig(max_running=8, step_rows=4)
+    with pytest.raises(ConfigError, match="kv_budget_bytes"):
+        BatchConfig(kv_budget_bytes=-1)
+
+
+def test_a_bad_prompt_fails_before_anything_runs(loaded: LoadedModel) -> None:
+    gen = _generator(loaded, STRATEGIES["ar"])
+    with pytest.raises(Exception, match="empty"):
+        generate_batch(gen, ["fine", "   "], config=GenerationConfig(max_new_tokens=2))
