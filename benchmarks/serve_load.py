@@ -24,6 +24,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from specfork.bench.load import (
     DEFAULT_CONCURRENCY,
@@ -42,6 +43,7 @@ from specfork.bench.report import check_output_dir
 from specfork.cli.common import read_first_turns
 from specfork.engine.thread import model_thread, run_in
 from specfork.errors import SpecforkError
+from specfork.loading.loader import LoadedModel, load_model
 from specfork.loading.registry import DEFAULT_MODEL
 
 log = logging.getLogger("serve_load")
@@ -104,26 +106,43 @@ def run(args: argparse.Namespace) -> int:
     configs = configurations(parse_load_strategies(args.strategies), args.max_running)
     out = check_output_dir(args.out) if args.out else None
     prompts = read_first_turns(args.prompts) if args.prompts else list(BUILT_IN_PROMPTS)
-    from specfork.loading.loader import load_model
-
-    thread = model_thread()  # loads and runs the model, as `specfork serve` does
-    loaded = run_in(thread, load_model, args.model, dtype=args.dtype, device=args.device)
-    servers = InProcessServers(loaded, thread, args.max_context)
-    result = sweep(configs, prompts, settings, servers, progress=log.info)
-    dtype, device = str(loaded.model.dtype).removeprefix("torch."), str(loaded.model.device)
-    about = {"model": loaded.path.name, "machine": machine_info(dtype, device)}
+    with model_thread() as thread:  # loads and runs the model, as `specfork serve` does
+        loaded = run_in(thread, load_model, args.model, dtype=args.dtype, device=args.device)
+        servers = InProcessServers(loaded, thread, args.max_context)
+        result = sweep(configs, prompts, settings, servers, progress=log.info)
     used = prompts[: max(settings.requests_at(c) for c in settings.concurrency)]
-    report = LoadReport(configs, settings, used, result, about)
+    report = LoadReport(configs, settings, used, result, about(loaded))
     title = (
-        f"{loaded.path.name} ({dtype}, {device}): {args.max_tokens} tokens per request, "
+        f"{report.about['title']}: {args.max_tokens} tokens per request, "
         f"{args.repeats} repeat(s), medians"
     )
+    return finish(report, out, title)
+
+
+def about(loaded: LoadedModel) -> dict[str, Any]:
+    """The model and machine, for results.json."""
+    dtype, device = str(loaded.model.dtype).removeprefix("torch."), str(loaded.model.device)
+    return {
+        "title": f"{loaded.path.name} ({dtype}, {device})",
+        "model": loaded.path.name,
+        "batch_invariant": bool(getattr(loaded.model, "batch_invariant", False)),
+        "machine": machine_info(dtype, device),
+    }
+
+
+def finish(report: LoadReport, out: Path | None, title: str) -> int:
+    """Print the tables, write the files, name every differing text; the exit status."""
     print(f"{title}\n\n{report.markdown()}")
     if out is not None:
         for path in write_outputs(report, out, title).values():
             log.info("wrote %s", path)
     for line in report.mismatch_lines():
         log.error("text differs: %s", line)
+    if report.mismatches and not report.about["batch_invariant"]:
+        log.error(
+            "(the model runs on the eager PyTorch path, not batch-invariant: in low precision "
+            "a batched forward may round differently; float32 should agree)"
+        )
     return 1 if report.mismatches else 0
 
 

@@ -190,10 +190,9 @@ def configurations(
 class LoadClient:
     """Streams greedy chat requests (EOS ignored) to one server and measures each."""
 
-    def __init__(self, url: str, max_tokens: int, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, url: str, max_tokens: int) -> None:
         self.server = OpenAIServer(f"{url}/v1")
         self.max_tokens = max_tokens
-        self.clock = clock
 
     def close(self) -> None:
         self.server.close()
@@ -210,17 +209,17 @@ class LoadClient:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        t0 = self.clock()
+        t0 = time.perf_counter()
         ttft, pieces, usage, stats = None, [], {}, {}
         for event in self.server.stream("/chat/completions", body):
             for choice in event.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content") or ""
                 if piece and ttft is None:
-                    ttft = self.clock() - t0
+                    ttft = time.perf_counter() - t0
                 pieces.append(piece)
             usage = event.get("usage") or usage
             stats = event.get("speculative") or stats
-        latency = self.clock() - t0
+        latency = time.perf_counter() - t0
         if "completion_tokens" not in usage:
             raise ServerAnswerError("the server sent no usage chunk (completion_tokens)")
         return RequestSample(
@@ -306,7 +305,7 @@ def _levels(
         client.request(0, prompts[0], WARM_UP_TOKENS)
         runs = []
         for c in settings.concurrency:
-            progress(f"repeat {repeat + 1}: {config.label}, {c} clients")
+            progress(f"repeat {repeat + 1}: {config.label}, concurrency {c}")
             wall, samples = run_level(client, prompts, settings.requests_at(c), c)
             runs.append(LevelRun(config.label, repeat, c, wall, samples))
         return runs

@@ -293,6 +293,7 @@ def plot_tokens_per_s(rows: Sequence[Row], configs: Sequence[LoadConfig], path: 
     ax.set_xscale("log", base=2)
     ax.set_xticks(levels, [str(n) for n in levels])
     ax.set_xlabel("concurrent clients")
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("generated tokens/s")
     ax.set_title("specfork serve: throughput against concurrency (medians)")
     ax.grid(True, alpha=0.3)
