@@ -1,50 +1,53 @@
-"""Load test of `specfork serve`: N requests from C concurrent clients, plain vs speculative.
+"""Load run of `specfork serve`: throughput and latency against concurrency, speculation on/off.
 
-Starts the server in-process on a loopback port once per strategy (the strategy is the server's
-default, as `specfork serve --strategy ...` sets it), sends the same streamed chat requests
-(greedy, EOS ignored, so every request yields exactly --max-tokens tokens) and prints a markdown
-table: requests/s, p50/p95 latency, p50 time to first token, generated tokens/s, and the mean
-accepted length the server's /metrics reports. Strategies alternate per repeat; medians are shown.
+For every configuration (each --strategies entry at --max-running N, and again at max-running 1,
+the one-request-at-a-time baseline) the server starts in-process on a loopback port once per
+repeat, answers a warm-up request, then at every --concurrency level C takes max(--requests, 2C)
+streamed chat requests (greedy, EOS ignored: exactly --max-tokens tokens each) from C client
+threads. Configurations alternate within each repeat; medians over repeats are shown.
 
-The last columns compare one request's decode speed through the server (the `speculative`
-object's decode_tokens_per_second, median over requests) with the library's `Generator.generate`
-on the same prompts in the same process, run on the thread that loaded the model as the server
-does: a server slower than the library per request (0.5x when the model ran on a second OpenMP
-pool, see specfork.engine.thread) shows up there.
+Prints (and with --out writes table.md) a table of requests/s, generated tokens/s, p50/p95
+latency and p50 time to first token (client side, queueing included) per configuration and
+concurrency, the tokens/s ratios speculation on / off and max-running N / max-running 1, and one
+request's decode speed through the server against the library's `Generator.generate` on the
+same prompts. --out also writes results.json (every request) and load.png (tokens/s against
+concurrency). Every configuration must return the same greedy text for the same prompt at every
+concurrency: a difference is listed with its prompt and the run exits with status 1.
 
     python benchmarks/serve_load.py --prompts benchmarks/prompts/specbench-dev.jsonl \
-        --requests 16 --concurrency 4 --max-tokens 64
+        --concurrency 1,2,4,8,16,32 --requests 16 --max-tokens 64 --repeats 2 --out load-out
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import re
-import statistics
-import time
-from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
+import sys
 from pathlib import Path
+from typing import Any
 
-import httpx
-
+from specfork.bench.load import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_STRATEGIES,
+    NAMED_STRATEGIES,
+    InProcessServers,
+    LoadSettings,
+    configurations,
+    parse_load_strategies,
+    sweep,
+)
+from specfork.bench.load_report import LoadReport, write_outputs
+from specfork.bench.machine import machine_info
+from specfork.bench.openai_api import ServerAnswerError
+from specfork.bench.report import check_output_dir
 from specfork.cli.common import read_first_turns
-from specfork.config import GenerationConfig, SpecConfig
-from specfork.engine import Generator
 from specfork.engine.thread import model_thread, run_in
-from specfork.loading.loader import load_model
+from specfork.errors import SpecforkError
+from specfork.loading.loader import LoadedModel, load_model
 from specfork.loading.registry import DEFAULT_MODEL
-from specfork.server.app import create_app
-from specfork.server.run import serve_in_background
 
 log = logging.getLogger("serve_load")
 
-STRATEGIES = {
-    "ar (plain)": SpecConfig(),
-    "speculative ngram k=4": SpecConfig("speculative", "ngram", k=4),
-}
 BUILT_IN_PROMPTS = (
     "Summarize in two sentences: the quick brown fox jumps over the lazy dog again and again.",
     "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
@@ -53,163 +56,106 @@ BUILT_IN_PROMPTS = (
 )
 
 
-@dataclass
-class Sample:
-    latency: float
-    ttft: float
-    tokens: int
-    decode_tps: float  # the server's decode tokens/s for this request
+def levels(text: str) -> tuple[int, ...]:
+    """--concurrency: a comma-separated list of integers."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r} (e.g. 1,2,4)") from None
 
 
-@dataclass
-class Run:
-    requests_per_s: float
-    p50: float
-    p95: float
-    ttft_p50: float
-    tokens_per_s: float
-    mean_accepted: float
-    server_decode_tps: float  # median over requests
-    library_decode_tps: float  # Generator.generate on the same prompts, median
-
-
-def one_request(url: str, prompt: str, max_tokens: int) -> Sample:
-    body = {
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.perf_counter()
-    ttft, tokens, decode_tps = None, 0, 0.0
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                ttft = time.perf_counter() - t0
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("speculative"):
-                decode_tps = chunk["speculative"]["decode_tokens_per_second"]
-    latency = time.perf_counter() - t0
-    return Sample(latency, ttft if ttft is not None else latency, tokens, decode_tps)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def mean_accepted(url: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    match = re.search(r"^specfork_mean_accepted_length (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
-
-
-def library_decode_tps(generator: Generator, prompts: list[str], max_tokens: int) -> float:
-    """Median decode tokens/s of `Generator.generate` on the prompts (call on the model thread)."""
-    config = GenerationConfig(max_new_tokens=max_tokens, ignore_eos=True)
-    speeds = []
-    for prompt in prompts:
-        messages = [{"role": "user", "content": prompt}]
-        speeds.append(generator.generate(messages, config=config).stats.decode_tokens_per_second)
-    return statistics.median(speeds)
-
-
-def load_run(
-    generator: Generator, thread: Executor, prompts: list[str], args: argparse.Namespace
-) -> Run:
-    """The library on the prompts, then one server of `generator` (warm-up, measured load)."""
-    library = run_in(thread, library_decode_tps, generator, prompts[:4], args.max_tokens)
-    queue = max(64, args.requests)
-    app = create_app(generator, model_name="bench", queue_size=queue, thread=thread)
-    with serve_in_background(app) as url:
-        one_request(url, prompts[0], 4)  # warm-up (not measured)
-        jobs = [prompts[i % len(prompts)] for i in range(args.requests)]
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(args.concurrency) as pool:
-            samples = list(pool.map(lambda p: one_request(url, p, args.max_tokens), jobs))
-        wall = time.perf_counter() - t0
-        accepted = mean_accepted(url)
-    latencies = [s.latency for s in samples]
-    return Run(
-        requests_per_s=len(samples) / wall,
-        p50=percentile(latencies, 0.5),
-        p95=percentile(latencies, 0.95),
-        ttft_p50=percentile([s.ttft for s in samples], 0.5),
-        tokens_per_s=sum(s.tokens for s in samples) / wall,
-        mean_accepted=accepted,
-        server_decode_tps=statistics.median(s.decode_tps for s in samples),
-        library_decode_tps=library,
-    )
-
-
-def median_run(runs: list[Run]) -> Run:
-    fields = Run.__dataclass_fields__
-    return Run(**{f: statistics.median(getattr(r, f) for r in runs) for f in fields})
-
-
-def table(results: dict[str, Run]) -> str:
-    lines = [
-        "| strategy | requests/s | p50 latency (s) | p95 latency (s) | p50 TTFT (s) "
-        "| tokens/s | mean accepted length | decode tok/s per request: server | library "
-        "| server / library |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        ratio = r.server_decode_tps / r.library_decode_tps if r.library_decode_tps else 0.0
-        lines.append(
-            f"| {name} | {r.requests_per_s:.2f} | {r.p50:.2f} | {r.p95:.2f} | {r.ttft_p50:.2f} "
-            f"| {r.tokens_per_s:.1f} | {r.mean_accepted:.2f} | {r.server_decode_tps:.1f} "
-            f"| {r.library_decode_tps:.1f} | {ratio:.2f} |"
-        )
-    return "\n".join(lines)
-
-
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--prompts", type=Path, default=None, help="Spec-Bench JSONL (first turns)")
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-context", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=1, help="alternating runs per strategy")
-    return p.parse_args()
+    p.add_argument("--prompts", type=Path, default=None, help="prompt file (first turns)")
+    names = ", ".join(f"{k} = {label}" for k, (label, _) in NAMED_STRATEGIES.items())
+    p.add_argument(
+        "--strategies",
+        default=DEFAULT_STRATEGIES,
+        help=f"comma list of names ({names}) or `specfork bench` strategy specs; "
+        "ar is added when missing (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=8,
+        help="requests decoding at once in the measured configurations; every strategy also "
+        "runs at max-running 1, the baseline (default %(default)s)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=levels,
+        default=DEFAULT_CONCURRENCY,
+        help="concurrent clients, a comma list (default 1,2,4,8,16,32)",
+    )
+    p.add_argument("--requests", type=int, default=16, help="per level, at least 2 per client")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="interleaved runs, medians shown")
+    p.add_argument(
+        "--out", type=Path, default=None, help="folder for results.json, table.md, load.png"
+    )
+    return p.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
+def run(args: argparse.Namespace) -> int:
+    """The load run; its exit status (1 when texts differ)."""
+    settings = LoadSettings(args.concurrency, args.requests, args.max_tokens, args.repeats)
+    configs = configurations(parse_load_strategies(args.strategies), args.max_running)
+    out = check_output_dir(args.out) if args.out else None
+    prompts = read_first_turns(args.prompts) if args.prompts else list(BUILT_IN_PROMPTS)
+    with model_thread() as thread:  # loads and runs the model, as `specfork serve` does
+        loaded = run_in(thread, load_model, args.model, dtype=args.dtype, device=args.device)
+        servers = InProcessServers(loaded, thread, args.max_context)
+        result = sweep(configs, prompts, settings, servers, progress=log.info)
+    used = prompts[: max(settings.requests_at(c) for c in settings.concurrency)]
+    report = LoadReport(configs, settings, used, result, about(loaded))
+    title = (
+        f"{report.about['title']}: {args.max_tokens} tokens per request, "
+        f"{args.repeats} repeat(s), medians"
+    )
+    return finish(report, out, title)
+
+
+def about(loaded: LoadedModel) -> dict[str, Any]:
+    """The model and machine, for results.json."""
+    dtype, device = str(loaded.model.dtype).removeprefix("torch."), str(loaded.model.device)
+    return {
+        "title": f"{loaded.path.name} ({dtype}, {device})",
+        "model": loaded.path.name,
+        "batch_invariant": bool(getattr(loaded.model, "batch_invariant", False)),
+        "machine": machine_info(dtype, device),
+    }
+
+
+def finish(report: LoadReport, out: Path | None, title: str) -> int:
+    """Print the tables, write the files, name every differing text; the exit status."""
+    print(f"{title}\n\n{report.markdown()}")
+    if out is not None:
+        for path in write_outputs(report, out, title).values():
+            log.info("wrote %s", path)
+    for line in report.mismatch_lines():
+        log.error("text differs: %s", line)
+    if report.mismatches and not report.about["batch_invariant"]:
+        log.error(
+            "(the model runs on the eager PyTorch path, not batch-invariant: in low precision "
+            "a batched forward may round differently; float32 should agree)"
+        )
+    return 1 if report.mismatches else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    prompts = read_first_turns(args.prompts) if args.prompts else list(BUILT_IN_PROMPTS)
-    thread = model_thread()  # loads and runs the model, as `specfork serve` does
-    loaded = run_in(thread, load_model, args.model, dtype=args.dtype, device=args.device)
-    generators = {
-        name: Generator(loaded, spec=spec, max_context=args.max_context)
-        for name, spec in STRATEGIES.items()
-    }
-    runs: dict[str, list[Run]] = {name: [] for name in STRATEGIES}
-    for repeat in range(args.repeats):
-        for name, generator in generators.items():
-            log.info("repeat %d: %s", repeat + 1, name)
-            runs[name].append(load_run(generator, thread, prompts, args))
-    model = f"{loaded.path.name} ({loaded.model.dtype}, {loaded.model.device})"
-    print(
-        f"{model}: {args.requests} requests, concurrency {args.concurrency}, "
-        f"{args.max_tokens} tokens each, {args.repeats} repeat(s)\n"
-    )
-    print(table({name: median_run(r) for name, r in runs.items()}))
+    try:
+        return run(args)
+    except (SpecforkError, ServerAnswerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, SpecforkError) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

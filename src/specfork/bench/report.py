@@ -247,7 +247,7 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
     for turn, by_turn in turn_summaries(doc):
         lines += [f"## Turn {turn}", "", _overall_table(doc, by_turn), ""]
         lines += _category_tables(doc, by_turn, cats, f"turn {turn}: ", ("speedup",))
-    lines += ["## Strategies", "", _md_table(
+    lines += ["## Strategies", "", md_table(
         ["strategy", "family", "status", "error"],
         [[s["label"], s["family"], s["status"], s.get("error") or ""] for s in doc["strategies"]],
     ), ""]  # fmt: skip
@@ -273,7 +273,7 @@ def _turns_text(doc: Mapping[str, Any]) -> str:
 
 def _overall_table(doc: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
     figures = _figures(doc)
-    return _md_table(
+    return md_table(
         ["strategy", *(t for _, t, _ in figures)],
         [[s["label"], *(fmt_cell(k, summary[s["label"]][OVERALL]) for k, _, _ in figures)]
          for s in _rows(doc)],
@@ -290,7 +290,7 @@ def _category_tables(
     lines: list[str] = []
     for key in keys:
         lines += [f"### {prefix}{_TITLES[key]} by category" if prefix else
-                  f"## {_TITLES[key]} by category", "", _md_table(
+                  f"## {_TITLES[key]} by category", "", md_table(
             ["strategy", *cats],
             [[s["label"], *(fmt_cell(key, summary[s["label"]][c]) for c in cats)]
              for s in _rows(doc)],
@@ -298,7 +298,7 @@ def _category_tables(
     return lines
 
 
-def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     def cell(x: object) -> str:
         return str(x).replace("|", "\\|").replace("\n", " ")
 

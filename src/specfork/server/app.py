@@ -52,7 +52,7 @@ def create_app(
     the generator's model: requests run there, at full speed. `settings` are the other
     `ServerSettings` fields (retry_after, default_max_tokens, max_body_bytes, api_key,
     allowed_hosts, max_draft_nodes, request_timeout, fixed_strategy, allow_lossy,
-    metrics_prefix). The engine worker runs between startup and shutdown.
+    metrics_prefix, max_running). The engine worker runs between startup and shutdown.
     """
     config = ServerSettings(
         model_name, queue_size=queue_size, plain_above_queue=plain_above_queue, **settings

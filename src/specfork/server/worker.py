@@ -86,6 +86,7 @@ class ServerSettings:
     fixed_strategy: bool = False  # refuse per-request `speculative` objects
     allow_lossy: bool = False  # let requests opt into lossy typical acceptance
     metrics_prefix: str = "specfork:"  # of the vLLM-named speculative-decoding counters
+    max_running: int = 8  # the most requests decoding at once (1: one request at a time)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -96,6 +97,7 @@ class ServerSettings:
             "default_max_tokens",
             "max_body_bytes",
             "max_draft_nodes",
+            "max_running",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -1,0 +1,304 @@
+"""Reports of a load run (`specfork.bench.load`): medians over repeats, ratios, the greedy-text
+check, the markdown tables, results.json and the tokens/s plot.
+
+Greedy decoding of the same prompt must give the same text in every configuration and at every
+concurrency: speculation is lossless and a request's output must not depend on the requests that
+share its forwards. `text_mismatches` names every request whose text differs from the first
+text seen for its prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specfork.bench.load import LevelRun, LoadConfig, LoadSettings, SweepResult
+from specfork.bench.report import md_table
+
+_EXCERPT = 60  # characters of a prompt or text shown in a mismatch line
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration at one concurrency level: medians over repeats."""
+
+    config: str
+    concurrency: int
+    requests: int  # per repeat
+    requests_per_s: float
+    tokens_per_s: float
+    p50: float
+    p95: float
+    ttft_p50: float
+    mean_accepted: float
+    differing: int  # requests (all repeats) whose text is not the prompt's reference text
+    server_decode_tps: float  # median over requests and repeats
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A request whose greedy text differs from the first text of the same prompt."""
+
+    prompt: int
+    config: str
+    concurrency: int
+    repeat: int
+    reference: str  # where the reference text came from
+    position: int  # first differing character
+
+
+def text_mismatches(runs: Sequence[LevelRun]) -> list[Mismatch]:
+    """Every request whose text differs from its prompt's first text (in run order)."""
+    first: dict[int, tuple[str, str]] = {}  # prompt -> (text, where)
+    found = []
+    for run in runs:
+        for s in run.samples:
+            where = f"{run.config} at {_clients(run.concurrency)}"
+            text, origin = first.setdefault(s.prompt, (s.text, where))
+            if s.text != text:
+                at = _first_difference(text, s.text)
+                found.append(
+                    Mismatch(s.prompt, run.config, run.concurrency, run.repeat, origin, at)
+                )
+    return found
+
+
+def _first_difference(a: str, b: str) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def summarize(
+    result: SweepResult, configs: Sequence[LoadConfig], mismatches: Sequence[Mismatch] = ()
+) -> list[Row]:
+    """A row per configuration and concurrency level, in configuration order."""
+    differing = Counter((m.config, m.concurrency) for m in mismatches)
+    groups: dict[tuple[str, int], list[LevelRun]] = {}
+    for run in result.runs:
+        groups.setdefault((run.config, run.concurrency), []).append(run)
+    order = {c.label: i for i, c in enumerate(configs)}
+    rows = [_row(key, runs, differing.get(key, 0)) for key, runs in groups.items()]
+    return sorted(rows, key=lambda r: (order[r.config], r.concurrency))
+
+
+def _row(key: tuple[str, int], runs: list[LevelRun], differing: int) -> Row:
+    def median(value: Callable[[LevelRun], float]) -> float:
+        return statistics.median(value(r) for r in runs)
+
+    return Row(
+        config=key[0],
+        concurrency=key[1],
+        requests=len(runs[0].samples),
+        requests_per_s=median(lambda r: r.requests_per_s),
+        tokens_per_s=median(lambda r: r.tokens_per_s),
+        p50=median(lambda r: r.latency(0.5)),
+        p95=median(lambda r: r.latency(0.95)),
+        ttft_p50=median(lambda r: r.ttft_p50),
+        mean_accepted=median(lambda r: r.mean_accepted),
+        differing=differing,
+        server_decode_tps=statistics.median(s.decode_tps for r in runs for s in r.samples),
+    )
+
+
+def ratios(
+    rows: Sequence[Row], configs: Sequence[LoadConfig]
+) -> dict[str, dict[str, dict[int, float]]]:
+    """Tokens/s ratios per concurrency level (`ratio_pairs` says which), by kind and name."""
+    tps = {(r.config, r.concurrency): r.tokens_per_s for r in rows}
+    levels = sorted({r.concurrency for r in rows})
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for kind, pairs in ratio_pairs(configs).items():
+        out[kind] = {}
+        for name, (a, b) in pairs.items():
+            both = [n for n in levels if tps.get((b.label, n)) and (a.label, n) in tps]
+            out[kind][name] = {n: tps[(a.label, n)] / tps[(b.label, n)] for n in both}
+    return out
+
+
+def ratio_pairs(
+    configs: Sequence[LoadConfig],
+) -> dict[str, dict[str, tuple[LoadConfig, LoadConfig]]]:
+    """(numerator, denominator) by name: each speculative configuration over plain decoding at
+    the same max_running; each max_running N over max-running 1 of the same strategy."""
+    plain = {c.max_running: c for c in configs if not c.speculative}
+    single = {c.strategy: c for c in configs if c.max_running == 1}
+    on_off = {
+        f"{c.label} / {plain[c.max_running].strategy}": (c, plain[c.max_running])
+        for c in configs
+        if c.speculative and c.max_running in plain
+    }
+    running = {
+        f"{c.strategy}: max-running {c.max_running} / 1": (c, single[c.strategy])
+        for c in configs
+        if c.max_running != 1 and c.strategy in single
+    }
+    return {"speculation on / off": on_off, "max-running N / max-running 1": running}
+
+
+# ------------------------------------------------------------------------------------ outputs
+
+
+@dataclass
+class LoadReport:
+    """Everything a load run produced, with its derived figures."""
+
+    configs: list[LoadConfig]
+    settings: LoadSettings
+    prompts: list[str]
+    result: SweepResult
+    about: dict[str, Any]  # model and machine (results.json)
+
+    def __post_init__(self) -> None:
+        self.mismatches = text_mismatches(self.result.runs)
+        self.rows = summarize(self.result, self.configs, self.mismatches)
+        self.ratios = ratios(self.rows, self.configs)
+
+    def mismatch_lines(self) -> list[str]:
+        """One line per differing request, naming its prompt."""
+        return [
+            f"prompt {m.prompt} ({_excerpt(self.prompts[m.prompt])}): {m.config} at "
+            f"{_clients(m.concurrency)} (repeat {m.repeat + 1}) differs from {m.reference} "
+            f"at character {m.position}"
+            for m in self.mismatches
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "specfork-serve-load",
+            **self.about,
+            "settings": dataclasses.asdict(self.settings),
+            "configurations": [_config_json(c) for c in self.configs],
+            "prompts": self.prompts,
+            "library_decode_tokens_per_s": self.result.library,
+            "runs": [_run_json(r) for r in self.result.runs],
+            "summary": [dataclasses.asdict(r) for r in self.rows],
+            "ratios": self.ratios,
+            "same_text": not self.mismatches,
+            "text_mismatches": [dataclasses.asdict(m) for m in self.mismatches],
+        }
+
+    def markdown(self) -> str:
+        parts = [self._main_table()]
+        for kind, table in self.ratios.items():
+            if table:
+                parts.append(f"Tokens/s ratio, {kind}:\n\n{_ratio_table(table)}")
+        if library := self._library_table():
+            parts.append(library)
+        return "\n\n".join(parts) + "\n"
+
+    def _main_table(self) -> str:
+        header = ["configuration", "clients", "requests", "requests/s", "tokens/s",
+                  "p50 latency (s)", "p95 latency (s)", "p50 TTFT (s)", "mean accepted length",
+                  "same text"]  # fmt: skip
+        repeats = self.settings.repeats
+        rows = [
+            [r.config, r.concurrency, r.requests, f"{r.requests_per_s:.2f}",
+             f"{r.tokens_per_s:.1f}", f"{r.p50:.2f}", f"{r.p95:.2f}", f"{r.ttft_p50:.2f}",
+             f"{r.mean_accepted:.2f}",
+             "yes" if not r.differing else f"no ({r.differing} of {r.requests * repeats})"]
+            for r in self.rows
+        ]  # fmt: skip
+        return md_table(header, rows)
+
+    def _library_table(self) -> str:
+        """One request's decode speed through the server (concurrency 1) against the library's
+        `Generator.generate` on the same prompts: a server slower per request shows up here."""
+        rows = []
+        for config in self.configs:
+            row = next(
+                (r for r in self.rows if r.config == config.label and r.concurrency == 1), None
+            )
+            library = self.result.library.get(config.strategy)
+            if row is None or not library:
+                continue
+            lib = statistics.median(library)
+            ratio = f"{row.server_decode_tps / lib:.2f}" if lib else "n/a"
+            rows.append([config.label, f"{row.server_decode_tps:.1f}", f"{lib:.1f}", ratio])
+        if not rows:
+            return ""
+        header = ["configuration", "server (1 client)", "library", "server / library"]
+        return f"Decode tokens/s of one request, prefill excluded:\n\n{md_table(header, rows)}"
+
+
+def _config_json(config: LoadConfig) -> dict[str, Any]:
+    return {
+        "label": config.label,
+        "strategy": config.strategy,
+        "spec": dataclasses.asdict(config.spec),
+        "max_running": config.max_running,
+    }
+
+
+def _run_json(run: LevelRun) -> dict[str, Any]:
+    return {
+        "config": run.config,
+        "repeat": run.repeat,
+        "concurrency": run.concurrency,
+        "wall_seconds": run.wall,
+        "samples": [dataclasses.asdict(s) for s in run.samples],
+    }
+
+
+def _ratio_table(table: dict[str, dict[int, float]]) -> str:
+    levels = sorted({n for values in table.values() for n in values})
+    header = ["", *(_clients(n) for n in levels)]
+    rows = [
+        [name, *(f"{v[n]:.2f}" if n in v else "n/a" for n in levels)] for name, v in table.items()
+    ]
+    return md_table(header, rows)
+
+
+def _clients(n: int) -> str:
+    return f"{n} client" if n == 1 else f"{n} clients"
+
+
+def _excerpt(text: str) -> str:
+    text = " ".join(text.split())
+    return repr(text if len(text) <= _EXCERPT else text[: _EXCERPT - 1] + "…")
+
+
+def write_outputs(report: LoadReport, out: Path, title: str = "") -> dict[str, Path]:
+    """results.json, table.md and load.png in `out` (which exists)."""
+    paths = {"results": out / "results.json", "table": out / "table.md", "plot": out / "load.png"}
+    paths["results"].write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    paths["table"].write_text((f"{title}\n\n" if title else "") + report.markdown())
+    plot_tokens_per_s(report.rows, report.configs, paths["plot"])
+    return paths
+
+
+def plot_tokens_per_s(rows: Sequence[Row], configs: Sequence[LoadConfig], path: Path) -> Path:
+    """Tokens/s against concurrency (log2 axis), one line per configuration."""
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for config in configs:
+        mine = [r for r in rows if r.config == config.label]
+        style = "-" if config.max_running > 1 else "--"
+        ax.plot([r.concurrency for r in mine], [r.tokens_per_s for r in mine], style, marker="o",
+                label=config.label)  # fmt: skip
+    levels = sorted({r.concurrency for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(n) for n in levels])
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title("specfork serve: throughput against concurrency (medians)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

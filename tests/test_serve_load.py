@@ -1,0 +1,257 @@
+"""The load run of `specfork serve` (benchmarks/serve_load.py, specfork.bench.load[_report]).
+
+End to end on real in-process servers of a tiny random model (concurrency 1 and 2, 2 requests,
+4 tokens): the structure of the results, equal greedy texts across configurations and
+concurrency levels, and the files written. The text check is shown to fail on servers of two
+different models. Figures are computed from fabricated runs where their values are asserted;
+nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from specfork.bench.load import (
+    InProcessServers,
+    LevelRun,
+    LoadConfig,
+    LoadSettings,
+    RequestSample,
+    SweepResult,
+    configurations,
+    parse_load_strategies,
+    percentile,
+    sweep,
+)
+from specfork.bench.load_report import LoadReport, ratios, summarize, write_outputs
+from specfork.config import SpecConfig
+from specfork.engine.thread import model_thread, run_in
+from specfork.errors import ConfigError, SpecforkError
+from specfork.loading.loader import load_model
+from specfork.server.worker import ServerSettings
+from tiny_models import tiny_chat_llama
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
+PROMPTS = ["Repeat: one two three, one two three.", "Why is the sky blue?"]
+PLAIN, NGRAM = SpecConfig(), SpecConfig("speculative", "ngram", k=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_chat_llama(tmp_path_factory.mktemp("tiny-load"))
+
+
+@pytest.fixture(scope="module")
+def script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("serve_load", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _servers(folder: Path) -> InProcessServers:
+    thread = model_thread()
+    loaded = run_in(thread, load_model, str(folder), dtype="float32", device="cpu", progress=False)
+    return InProcessServers(loaded, thread, max_context=256)
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def test_settings_and_strategies() -> None:
+    assert LoadSettings().concurrency == (1, 2, 4, 8, 16, 32)
+    settings = LoadSettings(concurrency=(1, 8), requests=4)
+    assert [settings.requests_at(c) for c in (1, 2, 8)] == [4, 4, 16]  # every client sends 2
+    for bad, words in (({"concurrency": (1, 0)}, "--concurrency must list integers >= 1"),
+                       ({"concurrency": ()}, "--concurrency"),
+                       ({"concurrency": (2, 2)}, "lists a level twice"),
+                       ({"requests": 0}, "--requests must be an integer >= 1"),
+                       ({"max_tokens": True}, "--max-tokens must be an integer >= 1"),
+                       ({"repeats": 0}, "--repeats")):  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            LoadSettings(**bad)
+
+    strategies = parse_load_strategies("ngram,dspark,speculative:ngram?k=6&k_policy=heuristic")
+    assert [label for label, _ in strategies] == [
+        "ar (plain)", "speculative ngram k=4", "dspark ngram",
+        "speculative:ngram?k=6&k_policy=heuristic",
+    ]  # fmt: skip
+    assert strategies[1][1] == NGRAM and strategies[2][1].strategy == "dspark"
+    assert strategies[3][1].k == 6 and strategies[3][1].k_policy == "heuristic"
+    with pytest.raises(ConfigError, match="not a strategy specfork serves"):
+        parse_load_strategies("ar,hf:ar")
+    with pytest.raises(ConfigError, match="unknown strategy 'fast'"):
+        parse_load_strategies("ar,fast")
+
+    configs = configurations(strategies[:2], max_running=4)
+    assert [c.label for c in configs] == [
+        "ar (plain), max-running 4", "ar (plain), max-running 1",
+        "speculative ngram k=4, max-running 4", "speculative ngram k=4, max-running 1",
+    ]  # fmt: skip
+    assert [c.max_running for c in configurations(strategies[:2], 1)] == [1, 1]
+    with pytest.raises(ConfigError, match="--max-running must be an integer >= 1"):
+        configurations(strategies, 0)
+
+
+def test_server_settings_max_running() -> None:
+    assert ServerSettings("m").max_running == 8
+    assert ServerSettings("m", max_running=1).max_running == 1
+    for bad in (0, -2, True, 2.0, "4"):
+        with pytest.raises(
+            SpecforkError, match=f"max_running must be an integer >= 1, got {bad!r}"
+        ):
+            ServerSettings("m", max_running=bad)
+
+
+def test_percentile() -> None:
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert [percentile(values, q) for q in (0.0, 0.5, 0.95, 1.0)] == [1.0, 3.0, 5.0, 5.0]
+    assert percentile([7.0], 0.95) == 7.0
+    assert percentile(list(map(float, range(1, 21))), 0.95) == 19.0  # nearest rank of 20
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 0.5)
+
+
+# ----------------------------------------------------------------------------- report logic
+
+
+def _sample(prompt: int, text: str, tokens: int = 10, latency: float = 1.0) -> RequestSample:
+    return RequestSample(prompt, text, tokens, latency, latency / 4, 20.0, 1.5, 4)
+
+
+def _run(config: LoadConfig, c: int, wall: float, texts: Sequence[str] = ("a", "b")) -> LevelRun:
+    samples = [_sample(i % 2, texts[i % 2], latency=float(i + 1)) for i in range(2 * c)]
+    return LevelRun(config.label, 0, c, wall, samples)
+
+
+def test_figures_ratios_and_text_mismatch_named() -> None:
+    configs = configurations([("ar (plain)", PLAIN), ("ngram", NGRAM)], max_running=4)
+    walls = {configs[0]: 2.0, configs[1]: 4.0, configs[2]: 1.0, configs[3]: 2.0}
+    runs = [_run(cfg, c, wall * c) for cfg, wall in walls.items() for c in (1, 2)]
+    runs[-1] = _run(configs[3], 2, 4.0, texts=("a", "b!"))  # ngram, max-running 1, 2 clients
+    report = LoadReport(configs, LoadSettings((1, 2), 2, 10), ["p0", "p1"], SweepResult(runs, {}),
+                        {"model": "fake"})  # fmt: skip
+
+    row = report.rows[0]  # ar (plain), max-running 4, 1 client: 2 requests x 10 tokens in 2 s
+    assert (row.config, row.concurrency, row.requests) == (configs[0].label, 1, 2)
+    assert (row.requests_per_s, row.tokens_per_s, row.p50, row.p95) == (1.0, 10.0, 1.0, 2.0)
+    assert row.mean_accepted == 1.5
+    on_off = report.ratios["speculation on / off"]
+    assert on_off == {"ngram, max-running 4 / ar (plain)": {1: 2.0, 2: 2.0},
+                      "ngram, max-running 1 / ar (plain)": {1: 2.0, 2: 2.0}}  # fmt: skip
+    assert report.ratios["max-running N / max-running 1"] == {
+        "ar (plain): max-running 4 / 1": {1: 2.0, 2: 2.0},
+        "ngram: max-running 4 / 1": {1: 2.0, 2: 2.0},
+    }
+    assert ratios(summarize(SweepResult(runs[:2], {}), configs[:1]), configs[:1]) == {
+        "speculation on / off": {}, "max-running N / max-running 1": {}}  # fmt: skip
+
+    assert [(r.config, r.concurrency) for r in report.rows if r.differing] == [
+        (configs[3].label, 2)
+    ]
+    line = ("prompt 1 ('p1'): ngram, max-running 1 at 2 clients (repeat 1) differs from "
+            "ar (plain), max-running 4 at 1 client at character 1")  # fmt: skip
+    assert report.mismatch_lines() == [line, line]  # the 2nd and 4th request ask prompt 1
+    table = report.markdown()
+    assert "| ngram, max-running 1 | 2 | 4 |" in table and "| no (2 of 4) |" in table
+    assert report.to_json()["same_text"] is False
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_load_run_end_to_end(script: ModuleType, tiny_folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_folder), "--dtype", "float32", "--device", "cpu",
+            "--max-context", "256", "--strategies", "ar,ngram", "--max-running", "2",
+            "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4",
+            "--out", str(out)]  # fmt: skip
+    assert script.main(argv) == 0
+    assert {p.name for p in out.iterdir()} == {"results.json", "table.md", "load.png"}
+    assert (out / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads((out / "results.json").read_text())
+    ngram = "speculative ngram k=4"
+    labels = ["ar (plain), max-running 2", "ar (plain), max-running 1",
+              f"{ngram}, max-running 2", f"{ngram}, max-running 1"]  # fmt: skip
+    assert [c["label"] for c in doc["configurations"]] == labels
+    assert [c["max_running"] for c in doc["configurations"]] == [2, 1, 2, 1]
+    runs = doc["runs"]
+    assert [(r["config"], r["concurrency"]) for r in runs] == [
+        (c, n) for c in labels for n in (1, 2)
+    ]
+    assert [len(r["samples"]) for r in runs] == [2, 4] * 4  # max(--requests, 2 x clients)
+    samples = [s for r in runs for s in r["samples"]]
+    assert all(s["tokens"] == 4 for s in samples)  # EOS ignored: exactly --max-tokens each
+    assert [s["prompt"] for s in runs[1]["samples"]] == [0, 1, 2, 3]
+    texts: dict[int, set[str]] = {}
+    for s in samples:
+        texts.setdefault(s["prompt"], set()).add(s["text"])
+    assert all(len(t) == 1 and next(iter(t)) for t in texts.values()), texts
+    assert doc["same_text"] is True and doc["text_mismatches"] == []
+    assert sorted(doc["library_decode_tokens_per_s"]) == ["ar (plain)", "speculative ngram k=4"]
+    assert len(doc["summary"]) == 8 and doc["settings"]["concurrency"] == [1, 2]
+    assert list(doc["ratios"]["speculation on / off"]) == [
+        "speculative ngram k=4, max-running 2 / ar (plain)",
+        "speculative ngram k=4, max-running 1 / ar (plain)",
+    ]
+    table = (out / "table.md").read_text()
+    for label in labels:
+        assert f"| {label} | 1 | 2 |" in table and f"| {label} | 2 | 4 |" in table
+    assert "speculation on / off" in table and "max-running N / max-running 1" in table
+
+
+class _TwoModels:
+    """Servers of model A for plain decoding and of model B for speculation."""
+
+    def __init__(self, a: InProcessServers, b: InProcessServers) -> None:
+        self.a, self.b = a, b
+
+    def _pick(self, spec: SpecConfig) -> InProcessServers:
+        return self.b if spec.strategy != "ar" else self.a
+
+    def serve(self, config: LoadConfig, queue_size: int) -> AbstractContextManager[str]:
+        return self._pick(config.spec).serve(config, queue_size)
+
+    def library_decode_tps(self, spec: SpecConfig, prompts: Sequence[str], n: int) -> float:
+        return self._pick(spec).library_decode_tps(spec, prompts, n)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_text_check_catches_a_different_model(tiny_folder: Path, tmp_path: Path) -> None:
+    other = tiny_chat_llama(tmp_path / "other", seed=1)
+    servers = _TwoModels(_servers(tiny_folder), _servers(other))
+    configs = configurations([("ar (plain)", PLAIN), ("ngram", NGRAM)], max_running=1)
+    settings = LoadSettings(concurrency=(1,), requests=2, max_tokens=4)
+    result = sweep(configs, PROMPTS, settings, servers)
+    report = LoadReport(configs, settings, PROMPTS, result, {})
+    assert {(m.prompt, m.config) for m in report.mismatches} == {
+        (0, "ngram, max-running 1"),
+        (1, "ngram, max-running 1"),
+    }
+    assert report.mismatch_lines()[0].startswith(f"prompt 0 ({PROMPTS[0]!r}): ngram")
+    paths = write_outputs(report, tmp_path)
+    assert all(p.exists() for p in paths.values())
+
+
+def test_bad_input_fails_before_loading(script: ModuleType, capsys, tmp_path: Path) -> None:
+    base = ["--model", "no-such-model"]
+    for argv, words in ((["--concurrency", "0,2"], "--concurrency must list integers >= 1"),
+                        (["--strategies", "ar,hf:ar"], "not a strategy specfork serves"),
+                        (["--max-running", "0"], "--max-running must be an integer >= 1"),
+                        (["--requests", "0"], "--requests must be an integer >= 1")):  # fmt: skip
+        assert script.main(base + argv) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1 and "Traceback" not in err
+    with pytest.raises(SystemExit) as exc:
+        script.main([*base, "--concurrency", "1,two"])
+    assert exc.value.code == 2
+    assert "not a list of integers" in capsys.readouterr().err
