@@ -45,6 +45,13 @@ def add_parser(subparsers: Any) -> None:
         "--queue-size", type=int, default=64, help="requests that may wait; more get HTTP 429 (64)"
     )
     g.add_argument(
+        "--max-running",
+        type=int,
+        default=8,
+        metavar="N",
+        help="requests decoded together in one batch (8; 1: one at a time)",
+    )
+    g.add_argument(
         "--plain-above-queue",
         type=int,
         default=None,
@@ -144,7 +151,7 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
     from specfork.server.worker import ServerSettings
 
     settings = security_settings(args)
-    ServerSettings("check", **settings)  # bad flags fail before the model loads
+    ServerSettings("check", max_running=args.max_running, **settings)  # bad flags fail early
     if args.max_context is not None and args.max_context < 2:
         raise SpecforkError(f"--max-context must be at least 2, got {args.max_context}")
     sock = bind_socket(args.host, args.port)
@@ -156,6 +163,7 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
         thread=thread,
         model_name=args.served_model_name or args.model,
         queue_size=args.queue_size,
+        max_running=args.max_running,
         plain_above_queue=args.plain_above_queue,
         default_max_tokens=args.default_max_tokens,
         **settings,

@@ -27,6 +27,7 @@ import torch
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Draft, Feedback
 from specfork.engine.lifecycle import GenerationResult, first_tokens, result, stopped, take
+from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.request import Request
 from specfork.engine.round import (
     Planned,
@@ -83,6 +84,11 @@ class Running:
     @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.req.prompt_ids)
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """The output tokens' log-probabilities so far (when the request asks for them)."""
+        return self.req.logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +182,10 @@ class Scheduler:
             running.req.out.finish("cancelled")
             running.finished = True
             self.generator.release(running.req, keep=self.config.max_running)
+
+    def last_step(self) -> StepRecord | None:
+        """The record of the latest step (None before the first)."""
+        return self.steps[-1] if self.steps else None
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Update]:

@@ -22,9 +22,13 @@ from prometheus_client import (
     generate_latest,
 )
 
+from specfork.engine.batch import StepRecord
 from specfork.engine.stats import GenerationStats
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -76,6 +80,14 @@ class ServerMetrics:
             registry=r,
         )
         self.queue_depth = Gauge("specfork_queue_depth", "Requests waiting", registry=r)
+        self.running = Gauge("specfork_requests_running", "Requests in the batch", registry=r)
+        self.queue_time = Histogram(
+            "specfork_queue_time_seconds",
+            "Arrival to joining the batch",
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self._steps = _StepMetrics(r)
         self.speculation = Gauge(
             "specfork_speculation_enabled",
             "1 while new requests get the server's speculative strategy; 0 when it is plain "
@@ -87,9 +99,15 @@ class ServerMetrics:
         self._forwards = 0
         self.mean_accepted.set_function(self._mean_accepted_length)
 
-    def track_queue(self, depth: Callable[[], int]) -> None:
-        """Read the queue depth at scrape time."""
+    def track_queue(self, depth: Callable[[], int], running: Callable[[], int]) -> None:
+        """Read the queue depth and the running requests at scrape time."""
         self.queue_depth.set_function(depth)
+        self.running.set_function(running)
+
+    def observe_step(self, step: StepRecord | None) -> None:
+        """Record one step of the batch (None: the engine does not trace steps)."""
+        if step is not None:
+            self._steps.observe(step)
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -149,3 +167,40 @@ class _SpecDecodeCounters:
         for position in range(deepest):
             n = sum(r.accepted > position for r in drafts)
             self.per_pos.labels(**self.labels, position=str(position)).inc(n)
+
+
+class _StepMetrics:
+    """What each step of the batch did: its size, its rows, its drafts and their acceptance,
+    predicted (by the goodput allocation) and actual."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.batch = Histogram(
+            "specfork_batch_size", "Requests per step", buckets=BATCH_BUCKETS, registry=r
+        )
+        self.rows = Histogram(
+            "specfork_step_rows", "Rows of a step's forward", buckets=ROW_BUCKETS, registry=r
+        )
+        self.draft_rows = Histogram(
+            "specfork_step_draft_rows",
+            "Drafted tokens verified per step",
+            buckets=(0, *ROW_BUCKETS),
+            registry=r,
+        )
+        self.predicted = Counter(
+            "specfork_draft_predicted_accepted",
+            "Drafted tokens the goodput allocation expected to be accepted",
+            registry=r,
+        )
+        self.accepted = Counter(
+            "specfork_draft_accepted", "Drafted tokens accepted (per step, summed)", registry=r
+        )
+        self.steps = Counter("specfork_steps", "Steps of the batch", registry=r)
+
+    def observe(self, step: StepRecord) -> None:
+        self.steps.inc()
+        self.batch.observe(step.requests)
+        self.rows.observe(step.rows)
+        self.draft_rows.observe(step.draft_rows)
+        self.predicted.inc(step.predicted)
+        self.accepted.inc(step.accepted)

@@ -2,10 +2,14 @@
 
 The Generator is not thread-safe, so exactly one worker thread runs it; that thread is the one
 that loaded the model (see `specfork.engine.thread`: PyTorch's CPU thread pool runs at full speed
-only for the thread that created it). HTTP handlers put jobs in
-a bounded queue (full: HTTP 429) and read the job's events (start, text deltas, done or error)
-from an asyncio queue the worker fills through the event loop. A cancelled job (its client went
-away) is skipped if it is still waiting, or stopped at the next decoding round if it is running.
+only for the thread that created it). HTTP handlers put jobs in a bounded queue (full: HTTP 429)
+and read the job's events (start, text deltas, done or error) from an asyncio queue the worker
+fills through the event loop. The worker runs the scheduler loop of continuous batching
+(`specfork.engine.batch`): waiting jobs join the batch in arrival order while it has room
+(`max_running`), every step advances all running jobs by one target forward, and a finished
+job leaves at once. A cancelled job (its client went away) is skipped if it is still waiting,
+or leaves the batch before the next step, its cache freed. An engine that cannot batch (any
+object with `stream`) runs one job at a time.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.engine.batch import BatchConfig, Scheduler, StepRecord, Update
 from specfork.engine.thread import model_thread
 from specfork.errors import PromptError, SpecforkError
 from specfork.server.metrics import ServerMetrics
@@ -74,7 +79,7 @@ class ServerSettings:
     """How the server queues and schedules requests (validated on construction)."""
 
     model_name: str
-    queue_size: int = 64  # requests that may wait; one more is running
+    queue_size: int = 64  # requests that may wait beside the running ones
     plain_above_queue: int | None = None  # waiting requests above which decoding goes plain
     retry_after: int = 1  # seconds, sent with HTTP 429
     default_max_tokens: int = 256
@@ -245,7 +250,7 @@ class JobQueue:
 
 
 class EngineWorker:
-    """Owns the engine; runs queued jobs one at a time on the engine's model thread.
+    """Owns the engine; runs queued jobs in a continuous batch on the engine's model thread.
 
     `thread` is the single-thread executor that loaded (and warmed) the engine's model; without
     one the worker starts its own, which is right only if the model has not run anywhere yet.
@@ -264,16 +269,17 @@ class EngineWorker:
         self._queue = JobQueue(settings.queue_size)
         self._lock = threading.Lock()
         self._stopping = False
-        self._current: Job | None = None
+        self._batch = make_batch(engine, settings)
+        self._jobs: dict[int, _Running] = {}  # the running jobs, by id of their batch handle
         self._executor = thread or model_thread()
         self._owns_executor = thread is None
         self._running: Future[None] | None = None
-        metrics.track_queue(lambda: self.depth)
+        metrics.track_queue(lambda: self.depth, lambda: len(self._jobs))
         metrics.speculation.set(int(engine.default_spec.strategy != "ar"))
 
     @property
     def depth(self) -> int:
-        """Jobs waiting (the running one excluded)."""
+        """Jobs waiting (the running ones excluded)."""
         return self._queue.qsize()
 
     @property
@@ -295,8 +301,8 @@ class EngineWorker:
                 break
             if job is not None:
                 job.emit(Event("error", error=APIError("the server is shutting down", status=503)))
-        if self._current is not None:
-            self._current.cancel()
+        for state in list(self._jobs.values()):
+            state.job.cancel()
         self._queue.put_nowait(None)
         if self._running is not None:
             try:
@@ -329,15 +335,39 @@ class EngineWorker:
             self.metrics.cancelled.inc()
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            self._current = job
+        batch = self._batch
+        while self._admit():
+            if not batch.running:
+                job = self._queue.get()  # idle: wait for work
+                if job is None:
+                    break
+                self._start(job)
+                continue
+            self._drop_cancelled()
+            if not batch.running:
+                continue
             try:
-                self._serve(job)
-            except Exception:  # never let one request end the worker
+                updates = batch.step()
+            except Exception:  # never let one step end the worker: its jobs fail, others go on
                 log.exception("unexpected error while serving a request")
-                job.emit(Event("error", error=APIError("internal server error", status=500)))
-            finally:
-                self._current = None
+                self._fail_running(APIError("internal server error", status=500))
+                continue
+            self.metrics.observe_step(batch.last_step())
+            for update in updates:
+                self._deliver(update)
+        self._fail_running(APIError("the server is shutting down", status=503))
+
+    def _admit(self) -> bool:
+        """Waiting jobs join the batch while it has room; False once the stop signal came."""
+        while self._batch.has_room():
+            try:
+                job = self._queue.get_nowait()
+            except IndexError:
+                return True
+            if job is None:
+                return False
+            self._start(job)
+        return True
 
     def _choose_spec(self, requested: SpecConfig | None) -> tuple[SpecConfig, bool]:
         """The strategy a job runs with, and whether load shedding made it plain."""
@@ -349,48 +379,154 @@ class EngineWorker:
             return PLAIN, True
         return spec, False
 
-    def _serve(self, job: Job) -> None:
+    def _start(self, job: Job) -> None:
+        """A job joins the batch (or fails with its error, 400 for a bad request)."""
         if job.cancelled:  # its client left as it was taken from the queue
             self.metrics.cancelled.inc()
             return
-        started = time.perf_counter()
+        self.metrics.queue_time.observe(time.perf_counter() - job.created)
         spec, plain = self._choose_spec(job.spec)
         try:
-            stream = self.engine.stream(
-                job.ids, config=job.config, sampling=job.sampling, spec=spec
-            )
+            handle = self._batch.add(job.ids, config=job.config, sampling=job.sampling, spec=spec)
         except SpecforkError as exc:
             param = job.prompt_param if isinstance(exc, PromptError) else None
             job.emit(Event("error", error=APIError(str(exc), param=param)))
             return
-        job.emit(Event("start", spec=spec, plain_under_load=plain))
-        result = self._drain(job, stream)
-        if result is None:
-            if not job.cancelled:
-                raise RuntimeError("the generation ended without a result")
-            self.metrics.cancelled.inc()
+        except Exception:
+            log.exception("unexpected error while starting a request")
+            job.emit(Event("error", error=APIError("internal server error", status=500)))
             return
-        ttft = started - job.created + result.stats.time_to_first_token
+        self._jobs[id(handle)] = _Running(job, handle, spec, plain, time.perf_counter())
+        job.emit(Event("start", spec=spec, plain_under_load=plain))
+
+    def _drop_cancelled(self) -> None:
+        """Jobs whose clients went away leave the batch now (their caches freed)."""
+        for key, state in list(self._jobs.items()):
+            if state.job.cancelled:
+                self._batch.cancel(state.handle)
+                del self._jobs[key]
+                self.metrics.cancelled.inc()
+
+    def _fail_running(self, error: APIError) -> None:
+        """Every running job ends with `error` and leaves the batch."""
+        for state in list(self._jobs.values()):
+            self._batch.cancel(state.handle)
+            state.job.emit(Event("error", error=error))
+        self._jobs.clear()
+
+    def _deliver(self, update: Update) -> None:
+        """A step's text for a job (a delta when it streams), and its end."""
+        state = self._jobs.get(id(update.running))
+        if state is None:
+            return
+        job = state.job
+        if job.deltas and update.text:
+            logprobs = update.running.logprobs
+            fresh = None if logprobs is None else logprobs[state.sent :]
+            state.sent += len(fresh or ())
+            job.emit(Event("delta", text=update.text, logprobs=fresh))
+        result = update.result
+        if result is None:
+            return
+        del self._jobs[id(update.running)]
+        ttft = state.started - job.created + result.stats.time_to_first_token
         latency = time.perf_counter() - job.created
         self.metrics.observe_generation(result.stats, len(result.token_ids), ttft, latency)
-        job.emit(Event("done", result=result, spec=spec, plain_under_load=plain))
+        job.emit(Event("done", result=result, spec=state.spec, plain_under_load=state.plain))
 
-    @staticmethod
-    def _drain(job: Job, stream: Stream) -> GenerationResult | None:
-        """Run the generation; None when the job was cancelled before its end (checked after
-        every round, also while a stop string holds text back)."""
-        deltas = iter(stream.rounds())
-        logprobs, sent = stream.logprobs, 0
+
+@dataclass(eq=False)
+class _Running:
+    """A job in the batch: its handle there and what its events need."""
+
+    job: Job
+    handle: Any
+    spec: SpecConfig
+    plain: bool
+    started: float  # when it joined the batch
+    sent: int = 0  # log-probability entries already sent
+
+
+class Batch(Protocol):
+    """What the worker needs of `specfork.engine.batch.Scheduler`."""
+
+    running: list
+
+    def has_room(self) -> bool: ...
+
+    def add(
+        self, prompt: list[int], *, config: GenerationConfig, sampling: SamplingParams,
+        spec: SpecConfig | None,
+    ) -> Any: ...  # fmt: skip
+
+    def step(self) -> list[Update]: ...
+
+    def cancel(self, handle: Any) -> None: ...
+
+    def last_step(self) -> StepRecord | None: ...
+
+
+def make_batch(engine: Engine, settings: ServerSettings) -> Batch:
+    """The scheduler of a `Generator`; one job at a time for other engines."""
+    from specfork.engine import Generator
+
+    if isinstance(engine, Generator):
+        rows = max(128, settings.max_running)
+        return Scheduler(engine, BatchConfig(max_running=settings.max_running, step_rows=rows))
+    return SerialBatch(engine)
+
+
+class _Serial:
+    """One job of a `SerialBatch`: its stream and the stream's rounds."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.rounds = iter(stream.rounds())
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.stream.logprobs
+
+
+class SerialBatch:
+    """Runs jobs one at a time through an engine's `stream`, a round per step."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.running: list[_Serial] = []
+
+    def has_room(self) -> bool:
+        return not self.running
+
+    def add(
+        self, prompt: list[int], *, config: GenerationConfig, sampling: SamplingParams,
+        spec: SpecConfig | None,
+    ) -> _Serial:  # fmt: skip
+        handle = _Serial(self.engine.stream(prompt, config=config, sampling=sampling, spec=spec))
+        self.running.append(handle)
+        return handle
+
+    def step(self) -> list[Update]:
+        handle = self.running[0]
         try:
-            for text in deltas:
-                if job.cancelled:
-                    return None  # no further round runs: the generator is not resumed
-                if job.deltas and text:
-                    fresh = None if logprobs is None else logprobs[sent:]
-                    sent += len(fresh or ())
-                    job.emit(Event("delta", text=text, logprobs=fresh))
-        finally:
-            close = getattr(deltas, "close", None)
+            text = next(handle.rounds)
+        except StopIteration:
+            self.running.remove(handle)
+            if handle.stream.result is None:
+                raise RuntimeError("the generation ended without a result") from None
+            return [Update(handle, "", handle.stream.result)]
+        except BaseException:
+            self.running.remove(handle)
+            raise
+        return [Update(handle, text)]
+
+    def last_step(self) -> None:
+        """No step records: a round of a stream is not traced here."""
+        return None
+
+    def cancel(self, handle: _Serial) -> None:
+        if handle in self.running:
+            self.running.remove(handle)
+            close = getattr(handle.rounds, "close", None)
             if close is not None:
-                close()
-        return stream.result
+                close()  # the generator's cleanup runs now (its cache goes back)

@@ -1,0 +1,134 @@
+"""The server's continuous batching: jobs queued together run in one batch, each gets the text
+it gets alone, a cancelled job leaves the batch at the next step, `max_running` bounds the
+batch, and the step metrics are exported. A tiny random model keeps it fast."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from tests.tiny_models import tiny_chat_llama
+
+from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.engine import Generator
+from specfork.engine.batch import Scheduler
+from specfork.loading.loader import LoadedModel, load_model
+from specfork.models.cost import CostCurve
+from specfork.server.app import create_app
+from specfork.server.metrics import ServerMetrics
+from specfork.server.run import serve_in_background
+from specfork.server.worker import EngineWorker, Event, Job, ServerSettings
+
+CURVE = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.25, 1.5, 2.3, 3.9, 6.8))
+PROMPTS = ["abc abc abc abc", "the cat sat on the mat", "x y z x y z", "hello", "one two one two"]
+SPECS = [None, SpecConfig("speculative", "ngram", k=4), SpecConfig("spork", "recycle+ngram")]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory, one_thread) -> LoadedModel:
+    folder = tiny_chat_llama(tmp_path_factory.mktemp("tiny"), chat=False, seed=5)
+    return load_model(str(folder), dtype="float32", progress=False)
+
+
+def _ids(gen: Generator, prompt: str) -> list[int]:
+    return gen.prompt_ids(prompt, chat=False)
+
+
+async def _events(job: Job) -> list[Event]:
+    events = []
+    while not events or events[-1].kind not in ("done", "error"):
+        events.append(await asyncio.wait_for(job.next_event(), timeout=120))
+    return events
+
+
+def test_jobs_queued_together_run_in_one_batch_with_their_lone_outputs(
+    loaded: LoadedModel,
+) -> None:
+    gen = Generator(loaded, cost_curve=CURVE)
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    cases = [(p, SPECS[i % len(SPECS)]) for i, p in enumerate(PROMPTS * 2)]
+    alone = [gen.generate(p, chat=False, config=config, spec=s).text for p, s in cases]
+
+    async def scenario() -> list[list[Event]]:
+        metrics = ServerMetrics()
+        worker = EngineWorker(gen, metrics, ServerSettings("tiny", max_running=8))
+        jobs = [Job(_ids(gen, p), config, SamplingParams(), s, deltas=True) for p, s in cases]
+        for job in jobs:
+            worker.submit(job)  # all queued before the worker starts: they join together
+        worker.start()
+        try:
+            events = [await _events(job) for job in jobs]
+        finally:
+            worker.stop()
+        text = metrics.render().decode()
+        count = float(re.search(r"^specfork_batch_size_count (\S+)$", text, re.M).group(1))
+        total = float(re.search(r"^specfork_batch_size_sum (\S+)$", text, re.M).group(1))
+        assert total / count > 2  # steps held several requests
+        assert re.search(r"^specfork_requests_running 0\.0$", text, re.M)
+        return events
+
+    results = asyncio.run(scenario())
+    for events, expected in zip(results, alone, strict=True):
+        assert events[0].kind == "start" and events[-1].kind == "done"
+        streamed = "".join(e.text for e in events if e.kind == "delta")
+        assert events[-1].result.text == expected == streamed
+
+
+def test_a_cancelled_job_leaves_the_batch_and_the_others_finish(loaded: LoadedModel) -> None:
+    gen = Generator(loaded, cost_curve=CURVE)
+    config = GenerationConfig(max_new_tokens=400, ignore_eos=True)
+
+    async def scenario() -> None:
+        worker = EngineWorker(gen, ServerMetrics(), ServerSettings("tiny", max_running=4))
+        jobs = [Job(_ids(gen, p), config, SamplingParams(), None, deltas=True) for p in PROMPTS[:2]]
+        for job in jobs:
+            worker.submit(job)
+        worker.start()
+        try:
+            for job in jobs:  # both started and streaming
+                while (await asyncio.wait_for(job.next_event(), 120)).kind != "delta":
+                    pass
+            handle = next(s.handle for s in list(worker._jobs.values()) if s.job is jobs[0])
+            jobs[0].cancel()
+            events = await _events(jobs[1])
+            assert events[-1].result.stats.new_tokens == 400
+            assert handle.finished and handle.req.out.finish_reason == "cancelled"
+            assert handle.req.stats.new_tokens < 400
+            batch = worker._batch
+            assert isinstance(batch, Scheduler) and not batch.running
+        finally:
+            worker.stop()
+
+    asyncio.run(scenario())
+
+
+def test_max_running_bounds_the_batch_over_http(loaded: LoadedModel) -> None:
+    """Through the HTTP API, with one request decoding at a time: every step holds one
+    request, and the texts are those of the library."""
+    gen = Generator(loaded, cost_curve=CURVE)
+    app = create_app(gen, model_name="tiny", max_running=1)
+    body = {"max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    with serve_in_background(app) as url, ThreadPoolExecutor(3) as pool:
+
+        def post(prompt: str) -> str:
+            resp = httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompt}, timeout=120)
+            assert resp.status_code == 200, resp.text
+            return resp.json()["choices"][0]["text"]
+
+        texts = list(pool.map(post, PROMPTS[:3]))
+        metrics = httpx.get(f"{url}/metrics").text
+    config = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    assert texts == [gen.generate(p, chat=False, config=config).text for p in PROMPTS[:3]]
+    count = float(re.search(r"^specfork_batch_size_count (\S+)$", metrics, re.M).group(1))
+    ones = float(
+        re.search(r'^specfork_batch_size_bucket\{le="1.0"\} (\S+)$', metrics, re.M).group(1)
+    )
+    assert count > 0 and ones == count
+
+
+def test_max_running_is_validated() -> None:
+    with pytest.raises(Exception, match="max_running must be an integer >= 1"):
+        ServerSettings("tiny", max_running=0)
