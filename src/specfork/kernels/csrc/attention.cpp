@@ -272,7 +272,12 @@ void write_kv(const KVView& kv, const float* k, const float* v, int64_t ld, int6
 
 void attention(const float* q, int64_t ldq, const KVView& kv, const AttnPlan& plan,
                const AttnShape& s, float* out) {
-  const int64_t group = s.heads / s.heads_kv, D = s.head_dim, C = plan.max_chunks;
+  attention_parts(q, ldq, {AttnPart{kv, &plan, 0, s.rows}}, s, out);
+}
+
+void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& parts,
+                     const AttnShape& s, float* out) {
+  const int64_t group = s.heads / s.heads_kv, D = s.head_dim;
   auto fetch = gather;
   auto chunk = chunk_generic;
 #if SF_X86
@@ -284,21 +289,32 @@ void attention(const float* q, int64_t ldq, const KVView& kv, const AttnPlan& pl
     chunk = chunk_avx2;
   }
 #endif
+  // chunks of every row (rows numbered across parts), and the most of any row
+  std::vector<int64_t> chunks(s.rows, 0);
+  int64_t C = 0;
+  for (const AttnPart& part : parts)
+    for (int64_t r = 0; r < part.rows; ++r) {
+      chunks[part.row0 + r] = part.plan->chunks[r];
+      C = std::max(C, part.plan->chunks[r]);
+    }
   // partials [rows, heads, chunks]: max, sum, weighted values [D]
   std::vector<float> pm(s.rows * s.heads * C), pl(s.rows * s.heads * C);
   std::vector<float> po(s.rows * s.heads * C * D);
-  // items: (task, kv head, block of up to kRowBlock of the task's rows), taken dynamically
+  // items: (part, task, kv head, block of up to kRowBlock of the task's rows), taken dynamically
   struct Item {
-    int32_t task, g, row0, rows;
+    int32_t part, task, g, row0, rows;
   };
   constexpr int32_t kRowBlock = 4;
   std::vector<Item> items;
-  for (size_t t = 0; t < plan.tasks.size(); ++t)
-    for (int32_t g = 0; g < s.heads_kv; ++g)
-      for (int32_t r = 0; r < static_cast<int32_t>(plan.tasks[t].rows.size()); r += kRowBlock) {
-        const int32_t n = std::min<int32_t>(kRowBlock, plan.tasks[t].rows.size() - r);
-        items.push_back(Item{static_cast<int32_t>(t), g, r, n});
-      }
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const AttnPlan& plan = *parts[p].plan;
+    for (size_t t = 0; t < plan.tasks.size(); ++t)
+      for (int32_t g = 0; g < s.heads_kv; ++g)
+        for (int32_t r = 0; r < static_cast<int32_t>(plan.tasks[t].rows.size()); r += kRowBlock) {
+          const int32_t n = std::min<int32_t>(kRowBlock, plan.tasks[t].rows.size() - r);
+          items.push_back(Item{static_cast<int32_t>(p), static_cast<int32_t>(t), g, r, n});
+        }
+  }
   struct Scratch {
     std::vector<float> K, V, e;
   };
@@ -308,12 +324,14 @@ void attention(const float* q, int64_t ldq, const KVView& kv, const AttnPlan& pl
                            std::vector<float>(kChunk + 16)}; },
       [&](int64_t i, Scratch& w) {
         const Item& it = items[i];
-        const ChunkTask& t = plan.tasks[it.task];
-        const int32_t* slots = plan.vis.idx.data() + t.first;
+        const AttnPart& part = parts[it.part];
+        const KVView& kv = part.kv;
+        const ChunkTask& t = part.plan->tasks[it.task];
+        const int32_t* slots = part.plan->vis.idx.data() + t.first;
         fetch(kv.k, kv.type, it.g * kv.slots * D, slots, t.n, D, w.K.data());
         fetch(kv.v, kv.type, it.g * kv.slots * D, slots, t.n, D, w.V.data());
         for (int32_t k = it.row0; k < it.row0 + it.rows; ++k) {
-          const int64_t r = t.rows[k];
+          const int64_t r = part.row0 + t.rows[k];
           for (int64_t h = it.g * group; h < (it.g + 1) * group; ++h) {
             const int64_t at = (r * s.heads + h) * C + t.chunk;
             const float* qh = q + r * ldq + h * D;
@@ -327,7 +345,7 @@ void attention(const float* q, int64_t ldq, const KVView& kv, const AttnPlan& pl
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / s.heads;
       const int64_t at = item * C;
-      merge(&pm[at], &pl[at], &po[at * D], plan.chunks[r], D, out + item * D);
+      merge(&pm[at], &pl[at], &po[at * D], chunks[r], D, out + item * D);
     }
   });
 }

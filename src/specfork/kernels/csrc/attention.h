@@ -64,4 +64,16 @@ void write_kv(const KVView& kv, const float* k, const float* v, int64_t ld, int6
 void attention(const float* q, int64_t ldq, const KVView& kv, const AttnPlan& plan,
                const AttnShape& shape, float* out);
 
+// Rows [row0, row0 + rows) of a batched forward: one sequence's cache and plan.
+struct AttnPart {
+  KVView kv;
+  const AttnPlan* plan;
+  int64_t row0, rows;
+};
+
+// `attention` for several sequences at once (shape.rows: all parts' rows), in one parallel
+// pass: each row's output is bitwise what it gets alone.
+void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& parts,
+                     const AttnShape& shape, float* out);
+
 }  // namespace sf

@@ -488,13 +488,14 @@ class FastModel {
     rope_rows(q, ld, T, heads_, cos_t, sin_t);
     rope_rows(k, ld, T, heads_kv_, cos_t, sin_t);
     const int64_t per_layer = heads_kv_ * head_dim_;  // times slots, per segment
-    for (const Seg& s : segs) {  // each sequence's rows attend to its own cache
+    std::vector<AttnPart> parts;  // each sequence's rows attend to its own cache
+    for (const Seg& s : segs) {
       const KVView kv = s.view(layer, per_layer * s.slots);
       const int64_t off = s.row0 * ld;
       write_kv(kv, k + off, v + off, ld, s.rows, heads_kv_, head_dim_, s.start);
-      attention(q + off, ld, kv, local ? s.local : s.full,
-                AttnShape{s.rows, heads_, heads_kv_, head_dim_, attn_scale_}, att_.data() + s.row0 * qd);
+      parts.push_back(AttnPart{kv, local ? &s.local : &s.full, s.row0, s.rows});
     }
+    attention_parts(q, ld, parts, AttnShape{T, heads_, heads_kv_, head_dim_, attn_scale_}, att_.data());
     {
       Activations a(att_.data(), T, qd, qd);
       l.o.run(a, x_.data(), D);
