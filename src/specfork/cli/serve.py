@@ -52,6 +52,14 @@ def add_parser(subparsers: Any) -> None:
         help="requests decoded together in one batch (8; 1: one at a time)",
     )
     g.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=None,
+        metavar="MB",
+        help="keys/values of shared prefixes (system prompts, earlier turns) kept for later "
+        "requests (default 256 on the kernels, whose outputs a cache hit cannot change; 0: off)",
+    )
+    g.add_argument(
         "--plain-above-queue",
         type=int,
         default=None,
@@ -151,7 +159,8 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
     from specfork.server.worker import ServerSettings
 
     settings = security_settings(args)
-    ServerSettings("check", max_running=args.max_running, **settings)  # bad flags fail early
+    limits = {"max_running": args.max_running, "prefix_cache_mb": args.prefix_cache_mb}
+    ServerSettings("check", **limits, **settings)  # bad flags fail before the model loads
     if args.max_context is not None and args.max_context < 2:
         raise SpecforkError(f"--max-context must be at least 2, got {args.max_context}")
     sock = bind_socket(args.host, args.port)
@@ -164,6 +173,7 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
         model_name=args.served_model_name or args.model,
         queue_size=args.queue_size,
         max_running=args.max_running,
+        prefix_cache_mb=args.prefix_cache_mb,
         plain_above_queue=args.plain_above_queue,
         default_max_tokens=args.default_max_tokens,
         **settings,

@@ -11,8 +11,10 @@ learns exactly as it would alone. On batch-invariant models (specfork's kernels)
 logits are bitwise those it gets alone, so greedy output does not depend on the batch.
 
 New requests join between steps (`add`), finished and cancelled ones leave at once and give
-their cache back. The scheduler does no queueing of its own: callers (the server's worker,
-`generate_batch`) keep the waiting line and add while `has_room`.
+their cache back. With a prefix cache (`prefix_cache_bytes`), a request starts from the KV of
+its longest prefix that an earlier request computed (a shared system prompt, the earlier turns
+of a chat) and prefills only the rest. The scheduler does no queueing of its own: callers
+(the server's worker, `generate_batch`) keep the waiting line and add while `has_room`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +31,7 @@ from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Draft, Feedback
 from specfork.engine.lifecycle import GenerationResult, first_tokens, result, stopped, take
 from specfork.engine.logprobs import TokenLogprob
+from specfork.engine.prefix import PrefixCache
 from specfork.engine.request import Request
 from specfork.engine.round import (
     Planned,
@@ -55,6 +59,7 @@ class BatchConfig:
     step_rows: int = 128  # rows a step's forward may hold (prompt chunks fill what is left)
     kv_budget_bytes: int | None = None  # KV cache all running requests may hold (None: any)
     goodput: bool = True  # trim drafts together to the batch's best expected tokens/cost
+    prefix_cache_bytes: int = 0  # KV of shared prefixes kept for later requests (0: none)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "step_rows"):
@@ -69,6 +74,9 @@ class BatchConfig:
         b = self.kv_budget_bytes
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ConfigError(f"kv_budget_bytes must be an integer >= 1 or None, got {b!r}")
+        p = self.prefix_cache_bytes
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {p!r}")
 
 
 @dataclass(eq=False)
@@ -136,6 +144,8 @@ class Scheduler:
         self.config = config or BatchConfig()
         self.running: list[Running] = []
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
+        size = self.config.prefix_cache_bytes
+        self.prefix = PrefixCache(size) if size else None
 
     # -- admission ------------------------------------------------------------------------------
     def has_room(self, prompt_tokens: int = 0, max_new_tokens: int = 0) -> bool:
@@ -172,6 +182,9 @@ class Scheduler:
             prompt, chat=chat, config=config, sampling=sampling, spec=spec
         )
         running = Running(req, time.perf_counter())
+        if self.prefix is not None:
+            running.prefilled = self.prefix.load(req.prompt_ids, req.cache)
+            req.stats.cached_prompt_tokens = running.prefilled
         self.running.append(running)
         return running
 
@@ -375,6 +388,8 @@ class Scheduler:
             drafter.observe(feedback)
         if running.prefilling:
             return []
+        if self.prefix is not None:
+            self.prefix.store(req.prompt_ids, req.cache)
         now = time.perf_counter()
         req.stats.prefill_seconds = now - running.admitted
         tokens = first_tokens(req, logits[-1])
@@ -391,6 +406,8 @@ class Scheduler:
         assert running.decode_started is not None
         req.stats.decode_seconds = time.perf_counter() - running.decode_started
         text = req.out.new_text()
+        if self.prefix is not None and req.grammar is None:  # the next turn starts with it
+            self.prefix.store(req.history[: min(len(req.history), req.cache.length)], req.cache)
         self.running.remove(running)
         running.finished = True
         self.generator.release(req, keep=self.config.max_running)
@@ -414,21 +431,26 @@ def generate_batch(
     *,
     chat: bool | None = None,
     config: GenerationConfig | None = None,
-    sampling: SamplingParams | None = None,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
     spec: SpecConfig | None = None,
     batch: BatchConfig | None = None,
 ) -> list[GenerationResult]:
     """Generate for every prompt, up to `batch.max_running` at a time; results in prompt
-    order. A prompt the engine refuses raises before anything runs."""
+    order. `sampling` is one for all or one per prompt (each request has its own random
+    generator). A prompt the engine refuses raises before anything runs."""
     scheduler = Scheduler(generator, batch)
     ids = [scheduler.generator.prompt_ids(p, chat=chat, config=config) for p in prompts]
+    if sampling is None or isinstance(sampling, SamplingParams):
+        sampling = [sampling or SamplingParams()] * len(prompts)
+    if len(sampling) != len(prompts):
+        raise ConfigError(f"{len(sampling)} sampling settings for {len(prompts)} prompts")
     waiting = deque(enumerate(ids))
     results: dict[int, GenerationResult] = {}
     index: dict[int, int] = {}
     while waiting or scheduler.running:
         while waiting and scheduler.has_room():
             i, prompt = waiting.popleft()
-            running = scheduler.add(prompt, config=config, sampling=sampling, spec=spec)
+            running = scheduler.add(prompt, config=config, sampling=sampling[i], spec=spec)
             index[id(running)] = i
         for update in scheduler.step():
             if update.result is not None:

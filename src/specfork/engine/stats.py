@@ -47,6 +47,7 @@ class GenerationStats:
     verify_seconds: float = 0.0  # inside the target's verification forwards
     grammar_seconds: float = 0.0  # computing a constraint's token masks (0: unconstrained)
     prefill_seconds: float = 0.0
+    cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache, not prefilled
     time_to_first_token: float = 0.0
     decode_seconds: float = 0.0
 

@@ -23,6 +23,7 @@ from prometheus_client import (
 )
 
 from specfork.engine.batch import StepRecord
+from specfork.engine.prefix import PrefixCache
 from specfork.engine.stats import GenerationStats
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -103,6 +104,20 @@ class ServerMetrics:
         """Read the queue depth and the running requests at scrape time."""
         self.queue_depth.set_function(depth)
         self.running.set_function(running)
+
+    def track_prefix_cache(self, cache: PrefixCache) -> None:
+        """Read the prefix cache's figures at scrape time."""
+        r, stats = self.registry, cache.stats
+        figures = {
+            "hit_rate": ("Share of prompt tokens the prefix cache served", lambda: stats.hit_rate),
+            "lookups": ("Requests that looked up the prefix cache", lambda: stats.lookups),
+            "hits": ("Requests that found a cached prefix", lambda: stats.hits),
+            "hit_tokens": ("Prompt tokens served by the prefix cache", lambda: stats.hit_tokens),
+            "bytes": ("Bytes of keys and values the prefix cache holds", lambda: cache.nbytes),
+            "evictions": ("Prefix-cache nodes evicted", lambda: stats.evicted),
+        }
+        for name, (doc, read) in figures.items():
+            Gauge(f"specfork_prefix_cache_{name}", doc, registry=r).set_function(read)
 
     def observe_step(self, step: StepRecord | None) -> None:
         """Record one step of the batch (None: the engine does not trace steps)."""

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PLAIN = SpecConfig()
+DEFAULT_PREFIX_CACHE_MB = 256
 
 
 class Stream(Protocol):
@@ -92,6 +93,7 @@ class ServerSettings:
     allow_lossy: bool = False  # let requests opt into lossy typical acceptance
     metrics_prefix: str = "specfork:"  # of the vLLM-named speculative-decoding counters
     max_running: int = 8  # the most requests decoding at once (1: one request at a time)
+    prefix_cache_mb: int | None = None  # None: 256 on batch-invariant models, else off
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -107,9 +109,10 @@ class ServerSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecforkError(f"{name} must be an integer >= 1, got {value!r}")
-        n = self.plain_above_queue
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
-            raise SpecforkError(f"plain_above_queue must be an integer >= 0, got {n!r}")
+        for name in ("plain_above_queue", "prefix_cache_mb"):
+            n = getattr(self, name)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+                raise SpecforkError(f"{name} must be an integer >= 0, got {n!r}")
         self._check_security()
 
     def _check_security(self) -> None:
@@ -199,8 +202,28 @@ class Job:
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self.cancel()
 
+    @staticmethod
+    def emit_all(events: list[tuple[Job, Event]]) -> None:
+        """Hand many jobs' events over with one wake-up per event loop: each wake-up lets the
+        loop's thread take the GIL, and a step's worth of them one by one stalls the engine
+        thread for milliseconds each."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
+        for job, event in events:
+            by_loop.setdefault(job._loop, []).append((job, event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                for job, _ in items:
+                    job.cancel()
+
     async def next_event(self) -> Event:
         return await self._events.get()
+
+
+def _put_all(items: list[tuple[Job, Event]]) -> None:
+    for job, event in items:
+        job._events.put_nowait(event)
 
 
 class Full(Exception):
@@ -275,6 +298,9 @@ class EngineWorker:
         self._owns_executor = thread is None
         self._running: Future[None] | None = None
         metrics.track_queue(lambda: self.depth, lambda: len(self._jobs))
+        prefix = getattr(self._batch, "prefix", None)
+        if prefix is not None:
+            metrics.track_prefix_cache(prefix)
         metrics.speculation.set(int(engine.default_spec.strategy != "ar"))
 
     @property
@@ -353,8 +379,7 @@ class EngineWorker:
                 self._fail_running(APIError("internal server error", status=500))
                 continue
             self.metrics.observe_step(batch.last_step())
-            for update in updates:
-                self._deliver(update)
+            Job.emit_all([e for update in updates for e in self._deliver(update)])
         self._fail_running(APIError("the server is shutting down", status=503))
 
     def _admit(self) -> bool:
@@ -414,25 +439,26 @@ class EngineWorker:
             state.job.emit(Event("error", error=error))
         self._jobs.clear()
 
-    def _deliver(self, update: Update) -> None:
-        """A step's text for a job (a delta when it streams), and its end."""
+    def _deliver(self, update: Update) -> list[tuple[Job, Event]]:
+        """A step's events for a job: its text (a delta when it streams), and its end."""
         state = self._jobs.get(id(update.running))
         if state is None:
-            return
-        job = state.job
+            return []
+        job, events = state.job, []
         if job.deltas and update.text:
             logprobs = update.running.logprobs
             fresh = None if logprobs is None else logprobs[state.sent :]
             state.sent += len(fresh or ())
-            job.emit(Event("delta", text=update.text, logprobs=fresh))
+            events.append((job, Event("delta", text=update.text, logprobs=fresh)))
         result = update.result
         if result is None:
-            return
+            return events
         del self._jobs[id(update.running)]
         ttft = state.started - job.created + result.stats.time_to_first_token
         latency = time.perf_counter() - job.created
         self.metrics.observe_generation(result.stats, len(result.token_ids), ttft, latency)
-        job.emit(Event("done", result=result, spec=state.spec, plain_under_load=state.plain))
+        done = Event("done", result=result, spec=state.spec, plain_under_load=state.plain)
+        return [*events, (job, done)]
 
 
 @dataclass(eq=False)
@@ -472,7 +498,11 @@ def make_batch(engine: Engine, settings: ServerSettings) -> Batch:
 
     if isinstance(engine, Generator):
         rows = max(128, settings.max_running)
-        return Scheduler(engine, BatchConfig(max_running=settings.max_running, step_rows=rows))
+        mb = settings.prefix_cache_mb
+        if mb is None:  # only where a cache hit cannot change an output's rounding
+            mb = DEFAULT_PREFIX_CACHE_MB if getattr(engine.model, "batch_invariant", False) else 0
+        config = BatchConfig(settings.max_running, rows, prefix_cache_bytes=mb * 2**20)
+        return Scheduler(engine, config)
     return SerialBatch(engine)
 
 

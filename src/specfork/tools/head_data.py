@@ -23,12 +23,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from specfork.config import GenerationConfig, SamplingParams
 from specfork.errors import ConfigError
 from specfork.loading.loader import LoadedModel
+
+if TYPE_CHECKING:
+    from specfork.engine import Generator
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +84,7 @@ def make_data(
         path = folder / f"shard-{shard:05d}.safetensors"
         first, last = shard * SHARD, min(cfg.samples, (shard + 1) * SHARD)
         if _shard_samples(path) != last - first:  # missing, or made for fewer samples
-            records = [_sample(gen, loaded, cfg, layers, i) for i in range(first, last)]
-            _write_shard(path, records)
+            _write_shard(path, _samples(gen, loaded, cfg, layers, range(first, last)))
         if progress is not None:
             progress(last, cfg.samples)
     return folder
@@ -115,32 +118,44 @@ def _check_meta(
     write_text(path, json.dumps(meta, indent=1))
 
 
-def _sample(
-    gen: object, loaded: LoadedModel, cfg: DataConfig, layers: tuple[int, ...], i: int
-) -> dict[str, torch.Tensor]:
-    """Sample `i`: a user turn, the target's answer, and its features and top-k."""
-    user = cfg.prompts[i % len(cfg.prompts)] if cfg.prompts else _user_turn(gen, loaded, cfg, i)
-    messages = [{"role": "user", "content": user}]
-    greedy = i % 2 == 0
-    sampling = SamplingParams() if greedy else SamplingParams(temperature=0.7, seed=cfg.seed + i)
+def _samples(
+    gen: Generator, loaded: LoadedModel, cfg: DataConfig, layers: tuple[int, ...], index: range
+) -> list[dict[str, torch.Tensor]]:
+    """Samples `index`: user turns, the target's answers (generated together in one batch:
+    each request keeps its own seed and the target's rows are batch-invariant, so they are the
+    answers it gives alone), then each conversation's features and top-k."""
+    from specfork.engine.batch import BatchConfig, generate_batch
+
+    users = [cfg.prompts[i % len(cfg.prompts)] for i in index] if cfg.prompts else None
+    if users is None:
+        users = _user_turns(gen, loaded, cfg, index)
+    chats = [[{"role": "user", "content": user}] for user in users]
+    sampling = [  # greedy for even samples, sampled for odd ones
+        SamplingParams() if i % 2 == 0 else SamplingParams(temperature=0.7, seed=cfg.seed + i)
+        for i in index
+    ]
     config = GenerationConfig(max_new_tokens=cfg.answer_tokens)
-    result = gen.generate(messages, config=config, sampling=sampling)  # type: ignore[attr-defined]
-    ids = result.prompt_ids + result.token_ids
-    return record(loaded, ids, layers, cfg.top_k)
+    batch = BatchConfig(max_running=len(index))
+    results = generate_batch(gen, chats, config=config, sampling=sampling, batch=batch)
+    return [record(loaded, r.prompt_ids + r.token_ids, layers, cfg.top_k) for r in results]
 
 
-def _user_turn(gen: object, loaded: LoadedModel, cfg: DataConfig, i: int) -> str:
-    """A user message the target writes after its template's user prefix (Magpie)."""
+def _user_turns(gen: Generator, loaded: LoadedModel, cfg: DataConfig, index: range) -> list[str]:
+    """User messages the target writes after its template's user prefix (Magpie)."""
+    from specfork.engine.batch import BatchConfig, generate_batch
+
     tok = loaded.tokenizer
     if tok.chat_template is None:
         raise ConfigError("self-written prompts need a chat template; give a prompt file")
     text = tok.apply_chat_template([{"role": "user", "content": USER_MARK}])
     prefix = text[: text.index(USER_MARK)] if USER_MARK in text else text
     ids = tok.encode(prefix)
-    sampling = SamplingParams(temperature=1.0, top_p=0.95, seed=cfg.seed * 1_000_003 + i)
+    sampling = [SamplingParams(temperature=1.0, top_p=0.95, seed=cfg.seed * 1_000_003 + i)
+                for i in index]  # fmt: skip
     config = GenerationConfig(max_new_tokens=cfg.user_tokens)
-    result = gen.generate(ids, config=config, sampling=sampling)  # type: ignore[attr-defined]
-    return result.text.strip() or "Hello!"
+    batch = BatchConfig(max_running=len(index))
+    results = generate_batch(gen, [ids] * len(index), config=config, sampling=sampling, batch=batch)
+    return [r.text.strip() or "Hello!" for r in results]
 
 
 def record(
