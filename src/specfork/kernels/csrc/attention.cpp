@@ -241,17 +241,23 @@ AttnPlan plan_attention(Visible vis_, int64_t rows) {
     for (int64_t c = 0; c < plan.chunks[r]; ++c) {
       const int32_t* slots = list + c * kChunk;
       const int64_t len = std::min(kChunk, n - c * kChunk);
-      const bool run = len == kChunk && slots[len - 1] - slots[0] == len - 1;  // contiguous
+      const int64_t first = vis.off[r] + c * kChunk;
+      const bool run = slots[len - 1] - slots[0] == len - 1;  // contiguous (ascending slots)
       if (run) {
         auto found = shared.find({c, slots[0]});
         if (found != shared.end()) {
-          plan.tasks[found->second].rows.push_back(static_cast<int32_t>(r));
+          ChunkTask& t = plan.tasks[found->second];
+          t.rows.push_back(static_cast<int32_t>(r));
+          t.lens.push_back(static_cast<int32_t>(len));
+          if (len > t.n) {  // the same run, longer: read it from this row's list
+            t.n = len;
+            t.first = first;
+          }
           continue;
         }
         shared[{c, slots[0]}] = plan.tasks.size();
       }
-      const int64_t first = vis.off[r] + c * kChunk;
-      plan.tasks.push_back(ChunkTask{first, len, {static_cast<int32_t>(r)}, c});
+      plan.tasks.push_back(ChunkTask{first, len, {static_cast<int32_t>(r)}, c, {static_cast<int32_t>(len)}});
     }
   }
   for (const auto& t : plan.tasks)
@@ -302,18 +308,21 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
   std::vector<float> po(s.rows * s.heads * C * D);
   // items: (part, task, kv head, block of up to kRowBlock of the task's rows), taken dynamically
   struct Item {
-    int32_t part, task, g, row0, rows;
+    int32_t part, task, g, row0, rows, n;  // n: the slots its rows read (their longest chunk)
   };
-  constexpr int32_t kRowBlock = 4;
+  constexpr int32_t kRowBlock = 8;
   std::vector<Item> items;
   for (size_t p = 0; p < parts.size(); ++p) {
     const AttnPlan& plan = *parts[p].plan;
-    for (size_t t = 0; t < plan.tasks.size(); ++t)
-      for (int32_t g = 0; g < s.heads_kv; ++g)
-        for (int32_t r = 0; r < static_cast<int32_t>(plan.tasks[t].rows.size()); r += kRowBlock) {
-          const int32_t n = std::min<int32_t>(kRowBlock, plan.tasks[t].rows.size() - r);
-          items.push_back(Item{static_cast<int32_t>(p), static_cast<int32_t>(t), g, r, n});
-        }
+    for (size_t t = 0; t < plan.tasks.size(); ++t) {
+      const ChunkTask& task = plan.tasks[t];
+      for (int32_t r = 0; r < static_cast<int32_t>(task.rows.size()); r += kRowBlock) {
+        const int32_t n = std::min<int32_t>(kRowBlock, task.rows.size() - r);
+        const int32_t len = *std::max_element(task.lens.begin() + r, task.lens.begin() + r + n);
+        for (int32_t g = 0; g < s.heads_kv; ++g)
+          items.push_back(Item{static_cast<int32_t>(p), static_cast<int32_t>(t), g, r, n, len});
+      }
+    }
   }
   struct Scratch {
     std::vector<float> K, V, e;
@@ -328,14 +337,14 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
         const KVView& kv = part.kv;
         const ChunkTask& t = part.plan->tasks[it.task];
         const int32_t* slots = part.plan->vis.idx.data() + t.first;
-        fetch(kv.k, kv.type, it.g * kv.slots * D, slots, t.n, D, w.K.data());
-        fetch(kv.v, kv.type, it.g * kv.slots * D, slots, t.n, D, w.V.data());
+        fetch(kv.k, kv.type, it.g * kv.slots * D, slots, it.n, D, w.K.data());
+        fetch(kv.v, kv.type, it.g * kv.slots * D, slots, it.n, D, w.V.data());
         for (int32_t k = it.row0; k < it.row0 + it.rows; ++k) {
           const int64_t r = part.row0 + t.rows[k];
           for (int64_t h = it.g * group; h < (it.g + 1) * group; ++h) {
             const int64_t at = (r * s.heads + h) * C + t.chunk;
             const float* qh = q + r * ldq + h * D;
-            const Partial p = chunk(qh, w.K.data(), w.V.data(), t.n, D, s.scale, w.e.data(), &po[at * D]);
+            const Partial p = chunk(qh, w.K.data(), w.V.data(), t.lens[k], D, s.scale, w.e.data(), &po[at * D]);
             pm[at] = p.m;
             pl[at] = p.l;
           }

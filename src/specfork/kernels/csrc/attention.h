@@ -33,11 +33,15 @@ struct Visible {
 };
 
 // One chunk computed for several rows: the chunk's slots, and for each row its chunk index.
+// Rows share a task when their chunk is a contiguous run of slots from the same first slot
+// (a prefix, a prompt's causal rows): the keys/values are read once, and each row attends to
+// the first lens[i] of them — its own chunk, in its own order, so nothing changes in its result.
 struct ChunkTask {
   int64_t first;  // the chunk's n ascending slots are vis.idx[first .. first + n)
-  int64_t n;
+  int64_t n;  // the longest of its rows' chunks
   std::vector<int32_t> rows;
   int64_t chunk;  // the chunk's index in each of those rows' lists
+  std::vector<int32_t> lens;  // each row's chunk length (<= n)
 };
 
 // The chunk tasks of one set of visible lists (built once per forward and layer type).
