@@ -106,7 +106,11 @@ def test_a_shared_system_prompt_is_prefilled_once_and_outputs_do_not_change(
             results += [u.result for u in scheduler.step() if u.result is not None]
     assert [r.token_ids for r in results] == [r.token_ids for r in alone]
     cached = [r.stats.cached_prompt_tokens for r in results]
-    assert cached[0] == 0 and min(cached[1:]) > len(SYSTEM) // 2  # byte-level tokens
+    if spec.strategy == "spork":  # Token Recycling learns from the prompt's logits: no hits
+        assert cached == [0, 0, 0]
+        assert [r.stats.drafted for r in results] == [r.stats.drafted for r in alone]
+    else:
+        assert cached[0] == 0 and min(cached[1:]) > len(SYSTEM) // 2  # byte-level tokens
     prefilled = sum(s.prefill_rows for s in scheduler.steps)
     assert prefilled == sum(r.stats.prompt_tokens for r in results) - sum(cached)
 

@@ -60,6 +60,14 @@ def add_parser(subparsers: Any) -> None:
         "requests (default 256 on the kernels, whose outputs a cache hit cannot change; 0: off)",
     )
     g.add_argument(
+        "--stream-interval",
+        type=float,
+        default=0.02,
+        metavar="S",
+        help="seconds between a stream's chunks: the first at once, then the text of every "
+        "step since (0.02; 0: a chunk per step)",
+    )
+    g.add_argument(
         "--plain-above-queue",
         type=int,
         default=None,
@@ -159,7 +167,8 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
     from specfork.server.worker import ServerSettings
 
     settings = security_settings(args)
-    limits = {"max_running": args.max_running, "prefix_cache_mb": args.prefix_cache_mb}
+    limits = {"max_running": args.max_running, "prefix_cache_mb": args.prefix_cache_mb,
+              "stream_interval": args.stream_interval}  # fmt: skip
     ServerSettings("check", **limits, **settings)  # bad flags fail before the model loads
     if args.max_context is not None and args.max_context < 2:
         raise SpecforkError(f"--max-context must be at least 2, got {args.max_context}")
@@ -174,6 +183,7 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
         queue_size=args.queue_size,
         max_running=args.max_running,
         prefix_cache_mb=args.prefix_cache_mb,
+        stream_interval=args.stream_interval,
         plain_above_queue=args.plain_above_queue,
         default_max_tokens=args.default_max_tokens,
         **settings,

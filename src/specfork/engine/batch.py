@@ -13,7 +13,9 @@ logits are bitwise those it gets alone, so greedy output does not depend on the 
 New requests join between steps (`add`), finished and cancelled ones leave at once and give
 their cache back. With a prefix cache (`prefix_cache_bytes`), a request starts from the KV of
 its longest prefix that an earlier request computed (a shared system prompt, the earlier turns
-of a chat) and prefills only the rest. The scheduler does no queueing of its own: callers
+of a chat) and prefills only the rest — unless its drafter learns from the target's outputs
+over the prompt (Token Recycling, trained heads): such a request prefills its whole prompt, so
+that it drafts as it does alone. The scheduler does no queueing of its own: callers
 (the server's worker, `generate_batch`) keep the waiting line and add while `has_room`.
 """
 
@@ -182,7 +184,9 @@ class Scheduler:
             prompt, chat=chat, config=config, sampling=sampling, spec=spec
         )
         running = Running(req, time.perf_counter())
-        if self.prefix is not None:
+        drafter = req.drafter
+        learns = drafter is not None and (drafter.wants_logits or bool(drafter.hidden_layers))
+        if self.prefix is not None and not learns:  # such drafters must see the whole prompt
             running.prefilled = self.prefix.load(req.prompt_ids, req.cache)
             req.stats.cached_prompt_tokens = running.prefilled
         self.running.append(running)

@@ -94,6 +94,7 @@ class ServerSettings:
     metrics_prefix: str = "specfork:"  # of the vLLM-named speculative-decoding counters
     max_running: int = 8  # the most requests decoding at once (1: one request at a time)
     prefix_cache_mb: int | None = None  # None: 256 on batch-invariant models, else off
+    stream_interval: float = 0.02  # seconds between a stream's chunks (0: one per step)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -128,6 +129,9 @@ class ServerSettings:
         number = isinstance(t, int | float) and not isinstance(t, bool)
         if t is not None and not (number and math.isfinite(t) and t > 0):
             raise SpecforkError(f"request_timeout must be a number of seconds > 0, got {t!r}")
+        i = self.stream_interval
+        if not (isinstance(i, int | float) and not isinstance(i, bool) and 0 <= i <= 10):
+            raise SpecforkError(f"stream_interval must be in [0, 10] seconds, got {i!r}")
         for name in ("fixed_strategy", "allow_lossy"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecforkError(f"{name} must be true or false")
@@ -444,13 +448,18 @@ class EngineWorker:
         state = self._jobs.get(id(update.running))
         if state is None:
             return []
-        job, events = state.job, []
-        if job.deltas and update.text:
-            logprobs = update.running.logprobs
-            fresh = None if logprobs is None else logprobs[state.sent :]
-            state.sent += len(fresh or ())
-            events.append((job, Event("delta", text=update.text, logprobs=fresh)))
-        result = update.result
+        job, events, result = state.job, [], update.result
+        if job.deltas:
+            state.pending += update.text
+            now = time.perf_counter()
+            interval = self.settings.stream_interval
+            due = result is not None or state.flushed is None or now - state.flushed >= interval
+            if state.pending and due:  # the first text at once, then at most every interval
+                logprobs = update.running.logprobs
+                fresh = None if logprobs is None else logprobs[state.sent :]
+                state.sent += len(fresh or ())
+                events.append((job, Event("delta", text=state.pending, logprobs=fresh)))
+                state.pending, state.flushed = "", now
         if result is None:
             return events
         del self._jobs[id(update.running)]
@@ -471,6 +480,8 @@ class _Running:
     plain: bool
     started: float  # when it joined the batch
     sent: int = 0  # log-probability entries already sent
+    pending: str = ""  # text not sent yet (streams send at most every stream_interval)
+    flushed: float | None = None  # when text was last sent
 
 
 class Batch(Protocol):
