@@ -132,3 +132,35 @@ def test_max_running_bounds_the_batch_over_http(loaded: LoadedModel) -> None:
 def test_max_running_is_validated() -> None:
     with pytest.raises(Exception, match="max_running must be an integer >= 1"):
         ServerSettings("tiny", max_running=0)
+
+
+def test_a_kv_budget_holds_the_next_job_until_memory_frees(loaded: LoadedModel) -> None:
+    """With room for one request's KV cache, queued jobs run one after another, in order, each
+    with its lone output; a cap cannot starve a job (one alone always runs)."""
+    gen = Generator(loaded, cost_curve=CURVE)
+    config = GenerationConfig(max_new_tokens=10, ignore_eos=True)
+    one = gen.model.new_cache(256)  # the smallest cache a request gets
+    budget_mb = (one.k.nbytes + one.v.nbytes) / 2**20
+    expected = [gen.generate(p, chat=False, config=config).text for p in PROMPTS[:3]]
+
+    async def scenario() -> None:
+        metrics = ServerMetrics()
+        settings = ServerSettings("tiny", max_running=8, kv_budget_mb=budget_mb)
+        worker = EngineWorker(gen, metrics, settings)
+        jobs = [
+            Job(_ids(gen, p), config, SamplingParams(), None, deltas=False) for p in PROMPTS[:3]
+        ]
+        for job in jobs:
+            worker.submit(job)
+        worker.start()
+        try:
+            results = [(await _events(job))[-1].result.text for job in jobs]
+        finally:
+            worker.stop()
+        assert results == expected
+        text = metrics.render().decode()
+        count = float(re.search(r"^specfork_batch_size_count (\S+)$", text, re.M).group(1))
+        ones = re.search(r'^specfork_batch_size_bucket\{le="1.0"\} (\S+)$', text, re.M)
+        assert count > 0 and float(ones.group(1)) == count
+
+    asyncio.run(scenario())

@@ -134,6 +134,10 @@ def test_serve_flags_for_access_and_limits(monkeypatch: pytest.MonkeyPatch) -> N
         (("--request-timeout", "0"), "request_timeout"),
         (("--max-draft-nodes", "0"), "max_draft_nodes"),
         (("--metrics-prefix", "9bad"), "metrics prefix"),
+        (("--max-running", "0"), "max_running"),
+        (("--prefix-cache-mb", "-1"), "prefix_cache_mb"),
+        (("--stream-interval", "-0.5"), "stream_interval"),
+        (("--kv-budget-mb", "0"), "kv_budget_mb"),
     ]:
         with pytest.raises(SpecforkError, match=message):  # before any model is loaded
             serve_command.run(_serve_args("-m", "no-such-model", *argv), console)

@@ -60,6 +60,14 @@ def add_parser(subparsers: Any) -> None:
         "requests (default 256 on the kernels, whose outputs a cache hit cannot change; 0: off)",
     )
     g.add_argument(
+        "--kv-budget-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="KV cache the running requests may hold together; a request that does not fit "
+        "waits for others to finish (default: no cap beyond --max-running)",
+    )
+    g.add_argument(
         "--stream-interval",
         type=float,
         default=0.02,
@@ -83,6 +91,12 @@ def add_parser(subparsers: Any) -> None:
     add_safety_flags(p)
     add_spec_flags(p)
     p.set_defaults(run=run)
+
+
+def batch_settings(args: argparse.Namespace) -> dict:
+    """The `ServerSettings` of batching and streaming the flags give."""
+    names = ("max_running", "prefix_cache_mb", "stream_interval", "kv_budget_mb")
+    return {name: getattr(args, name) for name in names}
 
 
 def add_safety_flags(p: argparse.ArgumentParser) -> None:
@@ -167,9 +181,8 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
     from specfork.server.worker import ServerSettings
 
     settings = security_settings(args)
-    limits = {"max_running": args.max_running, "prefix_cache_mb": args.prefix_cache_mb,
-              "stream_interval": args.stream_interval}  # fmt: skip
-    ServerSettings("check", **limits, **settings)  # bad flags fail before the model loads
+    batching = batch_settings(args)
+    ServerSettings("check", **batching, **settings)  # bad flags fail before the model loads
     if args.max_context is not None and args.max_context < 2:
         raise SpecforkError(f"--max-context must be at least 2, got {args.max_context}")
     sock = bind_socket(args.host, args.port)
@@ -181,9 +194,7 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
         thread=thread,
         model_name=args.served_model_name or args.model,
         queue_size=args.queue_size,
-        max_running=args.max_running,
-        prefix_cache_mb=args.prefix_cache_mb,
-        stream_interval=args.stream_interval,
+        **batching,
         plain_above_queue=args.plain_above_queue,
         default_max_tokens=args.default_max_tokens,
         **settings,

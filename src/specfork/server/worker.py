@@ -75,6 +75,11 @@ class Engine(Protocol):
     ) -> Stream: ...
 
 
+def number_type(x: object) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     """How the server queues and schedules requests (validated on construction)."""
@@ -95,6 +100,7 @@ class ServerSettings:
     max_running: int = 8  # the most requests decoding at once (1: one request at a time)
     prefix_cache_mb: int | None = None  # None: 256 on batch-invariant models, else off
     stream_interval: float = 0.02  # seconds between a stream's chunks (0: one per step)
+    kv_budget_mb: float | None = None  # MiB of KV cache the running requests may hold together
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -110,6 +116,9 @@ class ServerSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecforkError(f"{name} must be an integer >= 1, got {value!r}")
+        b = self.kv_budget_mb
+        if b is not None and not (number_type(b) and math.isfinite(b) and b > 0):
+            raise SpecforkError(f"kv_budget_mb must be a number of MiB > 0, got {b!r}")
         for name in ("plain_above_queue", "prefix_cache_mb"):
             n = getattr(self, name)
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
@@ -260,6 +269,16 @@ class JobQueue:
                 self._ready.wait()
             return self._items.popleft()
 
+    def get_if(self, fits: Callable[[Job], bool]) -> tuple[bool, Job | None]:
+        """Take the head if it is the stop signal or `fits` it: (taken, item)."""
+        with self._ready:
+            if not self._items:
+                return False, None
+            head = self._items[0]
+            if head is not None and not fits(head):
+                return False, None
+            return True, self._items.popleft()
+
     def get_nowait(self) -> Job | None:
         with self._ready:
             if not self._items:
@@ -388,11 +407,13 @@ class EngineWorker:
 
     def _admit(self) -> bool:
         """Waiting jobs join the batch while it has room; False once the stop signal came."""
-        while self._batch.has_room():
-            try:
-                job = self._queue.get_nowait()
-            except IndexError:
-                return True
+        batch = self._batch
+        while batch.has_room():  # a slot; then KV memory for the next job in line
+            taken, job = self._queue.get_if(
+                lambda j: batch.has_room(len(j.ids), j.config.max_new_tokens)
+            )
+            if not taken:
+                return True  # nothing waits, or the next job waits for memory (in order)
             if job is None:
                 return False
             self._start(job)
@@ -489,7 +510,7 @@ class Batch(Protocol):
 
     running: list
 
-    def has_room(self) -> bool: ...
+    def has_room(self, prompt_tokens: int = 0, max_new_tokens: int = 0) -> bool: ...
 
     def add(
         self, prompt: list[int], *, config: GenerationConfig, sampling: SamplingParams,
@@ -512,7 +533,9 @@ def make_batch(engine: Engine, settings: ServerSettings) -> Batch:
         mb = settings.prefix_cache_mb
         if mb is None:  # only where a cache hit cannot change an output's rounding
             mb = DEFAULT_PREFIX_CACHE_MB if getattr(engine.model, "batch_invariant", False) else 0
-        config = BatchConfig(settings.max_running, rows, prefix_cache_bytes=mb * 2**20)
+        mib = settings.kv_budget_mb
+        budget = None if mib is None else max(1, int(mib * 2**20))
+        config = BatchConfig(settings.max_running, rows, budget, prefix_cache_bytes=mb * 2**20)
         return Scheduler(engine, config)
     return SerialBatch(engine)
 
@@ -536,7 +559,7 @@ class SerialBatch:
         self.engine = engine
         self.running: list[_Serial] = []
 
-    def has_room(self) -> bool:
+    def has_room(self, prompt_tokens: int = 0, max_new_tokens: int = 0) -> bool:
         return not self.running
 
     def add(
