@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.tiny_models import tiny_chat_llama
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.engine import Generator
@@ -18,6 +17,7 @@ from specfork.models.base import Segment
 from specfork.models.cost import CostCurve
 from specfork.strategies.goodput import allocate, best_length
 from specfork.tree import Tree, tree_mask, tree_positions
+from tiny_models import tiny_chat_llama
 
 KERNELS = load_kernels() is not None
 CURVE = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.25, 1.5, 2.3, 3.9, 6.8))  # fixed: reproducible

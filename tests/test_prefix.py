@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.tiny_models import tiny_chat_llama
 
 from specfork.cache import KVCache
 from specfork.config import GenerationConfig, SpecConfig
@@ -17,6 +16,7 @@ from specfork.errors import ConfigError
 from specfork.kernels import load_kernels
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.models.cost import CostCurve
+from tiny_models import tiny_chat_llama
 
 CURVE = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.25, 1.5, 2.3, 3.9, 6.8))
 

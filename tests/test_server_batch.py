@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from tests.tiny_models import tiny_chat_llama
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.engine import Generator
@@ -21,6 +20,7 @@ from specfork.server.app import create_app
 from specfork.server.metrics import ServerMetrics
 from specfork.server.run import serve_in_background
 from specfork.server.worker import EngineWorker, Event, Job, ServerSettings
+from tiny_models import tiny_chat_llama
 
 CURVE = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.25, 1.5, 2.3, 3.9, 6.8))
 PROMPTS = ["abc abc abc abc", "the cat sat on the mat", "x y z x y z", "hello", "one two one two"]
