@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from specfork.cli.batch_file import read_batch, run_batch
 from specfork.cli.common import (
     add_constraint_flags,
     add_model_flags,
@@ -69,6 +70,19 @@ def add_parser(sub: Any) -> None:
         help="stop decoding after S seconds (finish reason: time)",
     )
     gen.add_argument("--quiet", "-q", action="store_true", help="no progress or stats on stderr")
+    b = gen.add_argument_group("many prompts (continuous batching)")
+    b.add_argument(
+        "--batch",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help='prompts, one JSON per line: a string, {"prompt": ...} or {"messages": [...]}; '
+        "results as JSON lines, in file order",
+    )
+    b.add_argument(
+        "--max-running", type=int, default=8, metavar="N", help="prompts decoded together (8)"
+    )
+    b.add_argument("--output", "-o", type=Path, default=None, help="--batch results file")
     add_sampling_flags(gen)
     add_constraint_flags(gen)
     add_spec_flags(gen)
@@ -108,11 +122,16 @@ def run(args: argparse.Namespace, err: Console) -> int:
     check_writable(args.trace, "trace file")
     spec = spec_from_args(args, expected_length=args.max_new_tokens)
     make_policy(spec.k_policy, spec.k, spec.expected_length)  # validate before loading
-    prompt = _prompt(args)
+    if args.batch is not None:
+        _check_batch_flags(args)
+    else:
+        prompt = _prompt(args)
     status = err.status(f"loading {escape(args.model)}…", spinner="dots")
     with status if not args.quiet else nullcontext():
         loaded = load_model(args.model, progress=not args.quiet, **model_options(args))
     generator = Generator(loaded, spec=spec)
+    if args.batch is not None:
+        return run_batch(args, loaded, generator, config, sampling, err)
     chat = args.chat if args.chat is not None else loaded.tokenizer.chat_template is not None
     messages: str | list[dict[str, str]] = prompt
     if chat:
@@ -134,6 +153,20 @@ def run(args: argparse.Namespace, err: Console) -> int:
         if stream.result.logprobs is not None:
             _logprob_table(stream.result.logprobs, loaded.tokenizer, err)
     return 0
+
+
+def _check_batch_flags(args: argparse.Namespace) -> None:
+    """--batch takes its prompts from the file, and reports as JSON lines."""
+    from specfork.engine.batch import BatchConfig
+
+    if args.prompt is not None:
+        raise SpecforkError("give either a prompt or --batch FILE, not both")
+    for flag, value in (("--trace", args.trace), ("--logprobs", args.logprobs)):
+        if value is not None:
+            raise SpecforkError(f"{flag} reports one request; run it without --batch")
+    BatchConfig(max_running=args.max_running, step_rows=max(128, args.max_running))
+    read_batch(args.batch)  # a bad file fails before the model loads
+    check_writable(args.output, "output file")
 
 
 def _prompt(args: argparse.Namespace) -> str:

@@ -1,0 +1,128 @@
+"""`specfork generate --batch FILE`: many prompts through continuous batching, JSON lines out.
+
+FILE holds one prompt per line as JSON: a string, `{"prompt": "..."}` or `{"messages": [...]}`
+(chat messages); empty lines are skipped. Every prompt is checked before anything runs (an
+error names its line). Results go to stdout (or `--output`), one JSON object per prompt in
+file order: index, text, finish_reason, prompt_tokens, completion_tokens (and every statistic
+with `--stats`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from specfork.errors import SpecforkError
+
+Prompt = str | list[dict[str, str]]
+
+
+def read_batch(path: Path) -> list[Prompt]:
+    """The prompts of a batch file (see the module doc)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecforkError(f"cannot read the batch file {path}: {exc}") from exc
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            prompts.append(_prompt(line, f"line {number} of {path}"))
+    if not prompts:
+        raise SpecforkError(f"the batch file {path} holds no prompts; write one JSON per line")
+    return prompts
+
+
+def _prompt(line: str, where: str) -> Prompt:
+    expected = 'a JSON string, {"prompt": "..."} or {"messages": [{"role": ..., "content": ...}]}'
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise SpecforkError(f"{where} is not JSON ({exc.msg}); expected {expected}") from None
+    if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+        item = item["prompt"]
+    elif isinstance(item, dict) and "messages" in item:
+        messages = item["messages"]
+        ok = isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages
+        )  # fmt: skip
+        if not ok:
+            raise SpecforkError(f"{where}: messages must be a non-empty list of role/content")
+        return messages
+    if not isinstance(item, str):
+        raise SpecforkError(f"{where}: expected {expected}")
+    if not item.strip():
+        raise SpecforkError(f"{where}: the prompt is empty")
+    return item
+
+
+def run_batch(args: argparse.Namespace, loaded: Any, generator: Any, config: Any, sampling: Any,
+              err: Console) -> int:  # fmt: skip
+    """Generate for every prompt of `args.batch` together; JSON lines to stdout or --output."""
+    from specfork.engine.batch import BatchConfig, generate_batch
+
+    prompts = read_batch(args.batch)
+    chat = args.chat if args.chat is not None else loaded.tokenizer.chat_template is not None
+    items = [_as_chat(p, args.system) if chat else _plain(p, i) for i, p in enumerate(prompts)]
+    for number, item in enumerate(items, start=1):
+        try:
+            generator.prompt_ids(item, chat=chat, config=config)
+        except SpecforkError as exc:
+            raise SpecforkError(f"prompt {number} of {args.batch}: {exc}") from None
+    batch = BatchConfig(max_running=args.max_running, step_rows=max(128, args.max_running))
+    t0 = time.perf_counter()
+    results = generate_batch(generator, items, chat=chat, config=config, sampling=sampling,
+                             batch=batch)  # fmt: skip
+    wall = time.perf_counter() - t0
+    out = _open_output(args.output)
+    try:
+        for i, result in enumerate(results):
+            record = {
+                "index": i,
+                "text": result.text,
+                "finish_reason": result.finish_reason,
+                "prompt_tokens": result.stats.prompt_tokens,
+                "completion_tokens": len(result.token_ids),
+            }
+            if args.stats:
+                record["stats"] = result.stats.to_dict()
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if not args.quiet:
+        tokens = sum(len(r.token_ids) for r in results)
+        line = (
+            f"{loaded.label} ({loaded.model.describe()}) | {len(results)} prompts, {tokens} "
+            f"tokens in {wall:.2f} s ({tokens / wall:.1f} tok/s), up to {args.max_running} at once"
+        )
+        err.print(line, style="dim", markup=False, highlight=False)
+    return 0
+
+
+def _as_chat(prompt: Prompt, system: str | None) -> list[dict[str, str]]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if system and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system}, *messages]
+    return messages
+
+
+def _plain(prompt: Prompt, index: int) -> str:
+    if not isinstance(prompt, str):
+        raise SpecforkError(f"prompt {index + 1} has chat messages; they need chat mode (--chat)")
+    return prompt
+
+
+def _open_output(path: Path | None) -> Any:
+    if path is None:
+        return sys.stdout
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        raise SpecforkError(f"cannot write the output file {path}: {exc}") from exc
