@@ -2,9 +2,10 @@
 
 For every configuration (each --strategies entry at --max-running N, and again at max-running 1,
 the one-request-at-a-time baseline) the server starts in-process on a loopback port once per
-repeat, answers a warm-up request, then at every --concurrency level C takes max(--requests, 2C)
-streamed chat requests (greedy, EOS ignored: exactly --max-tokens tokens each) from C client
-threads. Configurations alternate within each repeat; medians over repeats are shown.
+repeat, answers a warm-up request, then at every --concurrency level C takes the same
+max(--requests, 2 × the largest level) streamed chat requests (greedy, EOS ignored: exactly
+--max-tokens tokens each) from C client threads. Configurations alternate within each repeat;
+medians over repeats are shown.
 
 Prints (and with --out writes table.md) a table of requests/s, generated tokens/s, p50/p95
 latency and p50 time to first token (client side, queueing included) per configuration and
@@ -91,7 +92,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_CONCURRENCY,
         help="concurrent clients, a comma list (default 1,2,4,8,16,32)",
     )
-    p.add_argument("--requests", type=int, default=16, help="per level, at least 2 per client")
+    p.add_argument(
+        "--requests", type=int, default=16,
+        help="per level, the same at every level: at least 2 per client of the largest",
+    )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="interleaved runs, medians shown")
     p.add_argument(

@@ -69,7 +69,8 @@ def _servers(folder: Path) -> InProcessServers:
 def test_settings_and_strategies() -> None:
     assert LoadSettings().concurrency == (1, 2, 4, 8, 16, 32)
     settings = LoadSettings(concurrency=(1, 8), requests=4)
-    assert [settings.requests_at(c) for c in (1, 2, 8)] == [4, 4, 16]  # every client sends 2
+    assert [settings.requests_at(c) for c in (1, 8)] == [16, 16]  # 2 per client of the largest
+    assert LoadSettings(concurrency=(1, 2), requests=8).requests_at(1) == 8
     for bad, words in (({"concurrency": (1, 0)}, "--concurrency must list integers >= 1"),
                        ({"concurrency": ()}, "--concurrency"),
                        ({"concurrency": (2, 2)}, "lists a level twice"),
@@ -188,7 +189,8 @@ def test_load_run_end_to_end(script: ModuleType, tiny_folder: Path, tmp_path: Pa
     assert [(r["config"], r["concurrency"]) for r in runs] == [
         (c, n) for c in labels for n in (1, 2)
     ]
-    assert [len(r["samples"]) for r in runs] == [2, 4] * 4  # max(--requests, 2 x clients)
+    assert [len(r["samples"]) for r in runs] == [4, 4] * 4  # the same at every level
+    assert [s["prompt"] for s in runs[0]["samples"]] == [0, 1, 2, 3]
     samples = [s for r in runs for s in r["samples"]]
     assert all(s["tokens"] == 4 for s in samples)  # EOS ignored: exactly --max-tokens each
     assert [s["prompt"] for s in runs[1]["samples"]] == [0, 1, 2, 3]
@@ -205,7 +207,7 @@ def test_load_run_end_to_end(script: ModuleType, tiny_folder: Path, tmp_path: Pa
     ]
     table = (out / "table.md").read_text()
     for label in labels:
-        assert f"| {label} | 1 | 2 |" in table and f"| {label} | 2 | 4 |" in table
+        assert f"| {label} | 1 | 4 |" in table and f"| {label} | 2 | 4 |" in table
     assert "speculation on / off" in table and "max-running N / max-running 1" in table
 
 

@@ -2,10 +2,11 @@
 
 `sweep` starts one server per configuration (a strategy, as `specfork serve --strategy` sets it,
 and a `max_running`) per repeat, the configurations interleaved within each repeat. Each server
-answers a warm-up request, then at every concurrency level C takes max(requests, 2C) streamed
-chat requests (greedy, EOS ignored, so each yields max_tokens tokens) from C client threads;
-request i asks prompt i mod len(prompts). Every request's figures and text are kept
-(`LevelRun`); `specfork.bench.load_report` turns them into medians, tables, ratios and a plot.
+answers a warm-up request, then at every concurrency level C takes the same max(requests,
+2 × the largest level) streamed chat requests (greedy, EOS ignored, so each yields max_tokens
+tokens) from C client threads; request i asks prompt i mod len(prompts). Every request's
+figures and text are kept (`LevelRun`); `specfork.bench.load_report` turns them into
+medians, tables, ratios and a plot.
 
 `InProcessServers` serves the configurations from one loaded model on the thread that loaded it
 (as `specfork serve` does) and measures the library's own decode speed on the same prompts.
@@ -62,7 +63,7 @@ class LoadSettings:
     """What the sweep sends (validated on construction; errors are ConfigError)."""
 
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
-    requests: int = 16  # per level at least; every client sends at least 2
+    requests: int = 16  # per level at least; every level sends 2 per client of the largest
     max_tokens: int = 64
     repeats: int = 1
 
@@ -79,8 +80,10 @@ class LoadSettings:
                 raise ConfigError(f"--{flag} must be an integer >= 1, got {value!r}")
 
     def requests_at(self, concurrency: int) -> int:
-        """Requests sent at one concurrency level."""
-        return max(self.requests, 2 * concurrency)
+        """Requests sent at a concurrency level: the same at every level (so every level asks
+        the same prompts, request i prompt i mod their number), and at least 2 per client of
+        the largest level."""
+        return max(self.requests, 2 * max(self.concurrency))
 
 
 def _positive_int(value: object) -> bool:
