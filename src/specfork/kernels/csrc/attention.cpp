@@ -23,12 +23,37 @@ inline float load1(const void* base, CacheType type, int64_t i) {
   return 0.f;
 }
 
-inline void store1(void* base, CacheType type, int64_t i, float x) {
-  switch (type) {
-    case CacheType::F32: static_cast<float*>(base)[i] = x; break;
-    case CacheType::F16: static_cast<uint16_t*>(base)[i] = f32_to_f16(x); break;
-    case CacheType::BF16: static_cast<uint16_t*>(base)[i] = f32_to_bf16(x); break;
+#if SF_X86
+// f32_to_f16 on 16 values (the same bits: round to nearest even, overflow to infinity, NaN to
+// the sign and 0x7e00).
+SF_AVX512 void f16_run_avx512(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan) {
+      const __m256i sign = _mm256_and_si256(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)),
+                                            _mm256_set1_epi16(static_cast<short>(0x8000)));
+      h = _mm256_mask_blend_epi16(nan, h, _mm256_or_si256(sign, _mm256_set1_epi16(0x7e00)));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
   }
+  for (; i < n; ++i) out[i] = f32_to_f16(x[i]);
+}
+#endif
+
+// n values x stored from element i of a cache in its type.
+void store_run(void* base, CacheType type, int64_t i, const float* x, int64_t n) {
+  if (type == CacheType::F32) {
+    std::memcpy(static_cast<float*>(base) + i, x, sizeof(float) * n);
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(base) + i;
+#if SF_X86
+  if (type == CacheType::F16 && isa_level() == kAvx512) return f16_run_avx512(x, out, n);
+#endif
+  for (int64_t j = 0; j < n; ++j) out[j] = type == CacheType::F16 ? f32_to_f16(x[j]) : f32_to_bf16(x[j]);
 }
 
 // A chunk's keys or values as float [n, D] (gathered from its slots, converted once).
@@ -267,13 +292,14 @@ AttnPlan plan_attention(Visible vis_, int64_t rows) {
 
 void write_kv(const KVView& kv, const float* k, const float* v, int64_t ld, int64_t rows,
               int64_t heads_kv, int64_t head_dim, int64_t start) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < heads_kv; ++g)
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const int64_t at = (g * kv.slots + start + r) * head_dim + d;
-        store1(kv.k, kv.type, at, k[r * ld + g * head_dim + d]);
-        store1(kv.v, kv.type, at, v[r * ld + g * head_dim + d]);
+  parallel_rows(rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < heads_kv; ++g) {
+        const int64_t at = (g * kv.slots + start + r) * head_dim;
+        store_run(kv.k, kv.type, at, k + r * ld + g * head_dim, head_dim);
+        store_run(kv.v, kv.type, at, v + r * ld + g * head_dim, head_dim);
       }
+  });
 }
 
 void attention(const float* q, int64_t ldq, const KVView& kv, const AttnPlan& plan,

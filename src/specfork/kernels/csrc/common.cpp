@@ -3,6 +3,12 @@
 #include <cstdlib>
 #include <string>
 
+#if SF_X86
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace sf {
 
 static int detect_isa() {
@@ -38,7 +44,35 @@ bool has_avx512bf16() {
 #endif
 }
 
+// AMX needs the CPU (CPUID 7.0 EDX bits 24 tile, 25 int8), the OS saving tile state (XCR0 bits
+// 17-18) and, on Linux, this process's permission to use tile data (arch_prctl, once).
+static bool detect_amx() {
+#if SF_X86 && SF_HAVE_AMX && defined(__linux__)
+  if (isa_level() != kAvx512) return false;
+  const char* env = std::getenv("SPECFORK_ISA");
+  if (env != nullptr && std::string(env) == "avx512") return false;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
+    return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+#else
+  return false;
+#endif
+}
+
+bool has_amx_int8() {
+  static const bool yes = detect_amx();
+  return yes;
+}
+
 const char* isa_name() {
+  if (isa_level() == kAvx512 && has_amx_int8())
+    return has_avx512bf16() ? "avx512-vnni-bf16-amx" : "avx512-vnni-amx";
   if (isa_level() == kAvx512) return has_avx512bf16() ? "avx512-vnni-bf16" : "avx512-vnni";
   if (isa_level() == kAvx2) return "avx2";
   return "generic";

@@ -29,14 +29,25 @@
 #define SF_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define SF_AVX512BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,f16c,fma")))
+// AMX int8 tiles (Sapphire Rapids and later), where the compiler knows them (GCC 11, Clang 12).
+#if SF_X86 && ((defined(__clang__) && __clang_major__ >= 12) || \
+               (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define SF_HAVE_AMX 1
+#define SF_AMX \
+  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
+#else
+#define SF_HAVE_AMX 0
+#endif
 
 namespace sf {
 
-// Instruction-set levels, chosen once per process (SPECFORK_ISA=avx2|generic may lower it).
+// Instruction-set levels, chosen once per process (SPECFORK_ISA=avx512|avx2|generic may lower
+// it; avx512 keeps AVX-512 but leaves AMX tiles unused).
 enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
 
 int isa_level();        // kGeneric, kAvx2 or kAvx512
 bool has_avx512bf16();  // native bf16 dot products (vdpbf16ps)
+bool has_amx_int8();    // AMX int8 tiles, enabled by the OS for this process (on AVX-512 only)
 const char* isa_name();
 
 inline float bf16_to_f32(uint16_t h) {
@@ -62,6 +73,17 @@ template <typename F>
 inline void parallel(int64_t n, F&& fn) {
   if (n <= 0) return;
   at::parallel_for(0, n, 1, fn);
+}
+
+// fn(begin, end) over rows [0, n): split over the threads from `min_rows` rows (a parallel
+// region costs microseconds, more than a few rows of element-wise work), in one call below.
+// Each row's result is the same either way.
+template <typename F>
+inline void parallel_rows(int64_t n, int64_t min_rows, F&& fn) {
+  if (n >= min_rows)
+    parallel(n, fn);
+  else if (n > 0)
+    fn(0, n);
 }
 
 // Runs fn(i) for every i in [0, n), threads taking the next item as they finish one (for items

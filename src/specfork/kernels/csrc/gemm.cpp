@@ -315,6 +315,17 @@ SF_AVX512BF16 static void bf16_native(const uint8_t* wt, int64_t nb, const Activ
   }
 }
 
+// y[r0 + r, tile's columns] = acc[r] + bias for rows r < rt (the columns past n left alone).
+SF_AVX512 static inline void store_rows(const PackedLinear& w, int64_t tile, int64_t r0, int rt,
+                                        const __m512* acc, float* y, int64_t ldy) {
+  const int64_t c0 = tile * kTile;
+  const int64_t cols = std::min<int64_t>(kTile, w.n - c0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 bias = w.bias ? _mm512_maskz_loadu_ps(mask, w.bias + c0) : _mm512_setzero_ps();
+  for (int r = 0; r < rt; ++r)
+    _mm512_mask_storeu_ps(y + (r0 + r) * ldy + c0, mask, _mm512_add_ps(acc[r], bias));
+}
+
 template <int RT>
 SF_AVX512BF16 static void rows_avx512(const PackedLinear& w, const Activations& a, int64_t tile,
                                       int64_t r0, float* y, int64_t ldy) {
@@ -332,28 +343,171 @@ SF_AVX512BF16 static void rows_avx512(const PackedLinear& w, const Activations& 
         bf16_avx512<RT>(wt, nb, a, r0, acc);
       break;
   }
-  const int64_t c0 = tile * kTile;
-  const int64_t cols = std::min<int64_t>(kTile, w.n - c0);
-  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
-  const __m512 bias = w.bias ? _mm512_maskz_loadu_ps(mask, w.bias + c0) : _mm512_setzero_ps();
-  for (int r = 0; r < RT; ++r)
-    _mm512_mask_storeu_ps(y + (r0 + r) * ldy + c0, mask, _mm512_add_ps(acc[r], bias));
+  store_rows(w, tile, r0, RT, acc, y, ldy);
+}
+
+// Rows r.. of one tile, 8, 4 and then 1-3 at a time.
+SF_AVX512BF16 static void rows_from_avx512(const PackedLinear& w, const Activations& a, int64_t t,
+                                           int64_t r, float* y, int64_t ldy) {
+  for (; r + 8 <= a.rows; r += 8) rows_avx512<8>(w, a, t, r, y, ldy);
+  for (; r + 4 <= a.rows; r += 4) rows_avx512<4>(w, a, t, r, y, ldy);
+  switch (a.rows - r) {
+    case 3: rows_avx512<3>(w, a, t, r, y, ldy); break;
+    case 2: rows_avx512<2>(w, a, t, r, y, ldy); break;
+    case 1: rows_avx512<1>(w, a, t, r, y, ldy); break;
+    default: break;
+  }
 }
 
 SF_AVX512BF16 static void tiles_avx512(const PackedLinear& w, const Activations& a, int64_t t0,
                                        int64_t t1, float* y, int64_t ldy) {
-  for (int64_t t = t0; t < t1; ++t) {
-    int64_t r = 0;
-    for (; r + 8 <= a.rows; r += 8) rows_avx512<8>(w, a, t, r, y, ldy);
-    for (; r + 4 <= a.rows; r += 4) rows_avx512<4>(w, a, t, r, y, ldy);
-    switch (a.rows - r) {
-      case 3: rows_avx512<3>(w, a, t, r, y, ldy); break;
-      case 2: rows_avx512<2>(w, a, t, r, y, ldy); break;
-      case 1: rows_avx512<1>(w, a, t, r, y, ldy); break;
-      default: break;
+  for (int64_t t = t0; t < t1; ++t) rows_from_avx512(w, a, t, 0, y, ldy);
+}
+
+#if SF_HAVE_AMX
+// -- AMX int8 kernels: Q4 and Q8, 16 rows at a time ----------------------------------------------
+// One tile product per block of 32 inputs (tdpbsud: signed int8 activations times the unsigned
+// codes) gives the block's exact integer sums for 16 rows and 16 columns, the very sums
+// dot_block makes; the float steps after it are q4_avx512's and q8_avx512's in the same order.
+// So every row gets the AVX-512 path's bits, whichever path ran it.
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes per tile row
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: sums [16 rows, 16 int32]; 4-5: activations [16 rows, 32 int8]; 6-7: codes of a
+// block [8 groups of 4 inputs, 16 columns x 4 bytes] (the layout of the packed vectors).
+SF_AMX static void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = t < 6 ? 16 : 8;
+    cfg.colsb[t] = t == 4 || t == 5 ? 32 : 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Q4 codes of one tile's blocks as tile rows: [nb][8 groups][64] bytes (low nibbles are even
+// groups, high nibbles odd ones).
+SF_AMX static void unpack_q4_tile(const uint8_t* wt, int64_t nb, uint8_t* out) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < nb; ++b)
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(wt + b * 320 + 64 * i);
+      uint8_t* row = out + 512 * b + 128 * i;
+      _mm512_storeu_si512(row, _mm512_and_si512(v, low));
+      _mm512_storeu_si512(row + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+}
+
+// The float steps of block b for rows r0..r0+15 from their integer sums (q4_avx512 / q8_avx512).
+SF_AMX static inline void scale_block(const PackedLinear& w, const uint8_t* wt, int64_t nb,
+                                      const Activations& a, int64_t r0, int64_t b,
+                                      const int32_t (*sums)[16], __m512* acc) {
+  if (w.kind == Kind::Q4) {
+    const uint8_t* p = wt + b * 320;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const int64_t at = (r0 + r) * nb + b;
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d[at]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[r])), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.ds[at]), acc[r]);
+    }
+  } else {
+    const uint8_t* p = wt + b * 544;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 512)));
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const int64_t at = (r0 + r) * nb + b;
+      const __m512i fixed = _mm512_sub_epi32(_mm512_load_si512(sums[r]), _mm512_set1_epi32(128 * a.s[at]));
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d[at]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fixed), scale, acc[r]);
     }
   }
 }
+
+// Tile products of blocks b and b+1 (if there is one) into sum tiles 0-1 or 2-3. (The tile
+// intrinsics take literal tile numbers.)
+#define SF_AMX_PRODUCTS(C0, C1)                               \
+  do {                                                        \
+    _tile_zero(C0);                                           \
+    _tile_loadd(4, xq + b * kBlock, a.k);                     \
+    _tile_loadd(6, codes + b * stride, 64);                   \
+    _tile_dpbsud(C0, 4, 6);                                   \
+    if (b + 1 < nb) {                                         \
+      _tile_zero(C1);                                         \
+      _tile_loadd(5, xq + (b + 1) * kBlock, a.k);             \
+      _tile_loadd(7, codes + (b + 1) * stride, 64);           \
+      _tile_dpbsud(C1, 5, 7);                                 \
+    }                                                         \
+  } while (0)
+
+// The float steps of blocks b and b+1 from sum tiles 0-1 or 2-3.
+#define SF_AMX_SCALE(C0, C1)                                  \
+  do {                                                        \
+    _tile_stored(C0, sums[0], 64);                            \
+    scale_block(w, wt, nb, a, r0, b, sums[0], acc);           \
+    if (b + 1 < nb) {                                         \
+      _tile_stored(C1, sums[1], 64);                          \
+      scale_block(w, wt, nb, a, r0, b + 1, sums[1], acc);     \
+    }                                                         \
+  } while (0)
+
+// Rows r0..r0+15 of one tile. Blocks go two at a time, alternating between sum tiles 0-1 and
+// 2-3 so that the next two products run while the last two are scaled (in block order).
+// `codes` holds the tile's codes as tile rows (Q4 unpacked; Q8 packed as is), `stride` bytes
+// a block.
+SF_AMX static void group_amx(const PackedLinear& w, const uint8_t* wt, const uint8_t* codes,
+                             int64_t stride, int64_t nb, const Activations& a, int64_t r0,
+                             __m512* acc) {
+  alignas(64) int32_t sums[2][16][16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* xq = &a.q[r0 * a.k];
+  int64_t b = 0;
+  SF_AMX_PRODUCTS(0, 1);
+  for (; b < nb; b += 2) {
+    const bool odd_round = (b / 2) % 2 == 1;  // this round's sums are in tiles 2-3
+    b += 2;
+    if (b < nb) {
+      if (odd_round)
+        SF_AMX_PRODUCTS(0, 1);
+      else
+        SF_AMX_PRODUCTS(2, 3);
+    }
+    b -= 2;
+    if (odd_round)
+      SF_AMX_SCALE(2, 3);
+    else
+      SF_AMX_SCALE(0, 1);
+  }
+}
+#undef SF_AMX_PRODUCTS
+#undef SF_AMX_SCALE
+
+SF_AMX static void tiles_amx(const PackedLinear& w, const Activations& a, int64_t t0, int64_t t1,
+                             float* y, int64_t ldy) {
+  amx_configure();
+  const int64_t nb = w.k / kBlock, bytes = block_bytes(w.kind);
+  std::vector<uint8_t> unpacked(w.kind == Kind::Q4 ? 512 * nb : 0);  // [nb][8][64] tile rows
+  __m512 acc[16];
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = w.data + t * nb * bytes;
+    if (w.kind == Kind::Q4) unpack_q4_tile(wt, nb, unpacked.data());
+    const uint8_t* codes = w.kind == Kind::Q4 ? unpacked.data() : wt;
+    const int64_t stride = w.kind == Kind::Q4 ? 512 : bytes;
+    int64_t r = 0;
+    for (; r + 16 <= a.rows; r += 16) {
+      group_amx(w, wt, codes, stride, nb, a, r, acc);
+      store_rows(w, t, r, 16, acc, y, ldy);
+    }
+    rows_from_avx512(w, a, t, r, y, ldy);
+  }
+  _tile_release();
+}
+#endif  // SF_HAVE_AMX
 
 // -- AVX2 kernels: 8 output columns at a time (a tile's two halves). The integer block sums
 // (maddubs + madd, exact: no pair of products saturates int16) and the float steps equal the
@@ -444,12 +598,21 @@ static void tiles_generic(const PackedLinear& w, const Activations& a, int64_t t
     }
 }
 
+// AMX takes Q4 and Q8 products from this many rows (a group of 16 and the rest on AVX-512).
+constexpr int64_t kAmxRows = 16;
+
 void linear(const PackedLinear& w, Activations& a, float* y, int64_t ldy) {
   if (w.k != a.k) throw std::invalid_argument("linear: input size does not match the weight");
   a.need(w.kind);
   const int64_t tiles = (w.n + kTile - 1) / kTile;
   const int isa = isa_level();
+  const bool amx = isa == kAvx512 && a.rows >= kAmxRows && (w.kind == Kind::Q4 || w.kind == Kind::Q8)
+                   && has_amx_int8();
+  (void)amx;
   parallel(tiles, [&](int64_t t0, int64_t t1) {
+#if SF_HAVE_AMX
+    if (amx) return tiles_amx(w, a, t0, t1, y, ldy);
+#endif
 #if SF_X86
     if (isa == kAvx512) return tiles_avx512(w, a, t0, t1, y, ldy);
     if (isa == kAvx2) return tiles_avx2(w, a, t0, t1, y, ldy);

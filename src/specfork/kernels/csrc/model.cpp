@@ -23,6 +23,10 @@ namespace sf {
 
 namespace {
 
+// Element-wise steps (norms, rotary embedding, activation, residual) split their rows over the
+// threads from this many rows (prompt chunks, wide verifications); fewer run on the caller.
+constexpr int64_t kRowsParallel = 16;
+
 void check(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument(what);
 }
@@ -391,8 +395,7 @@ class FastModel {
       for (size_t j = 0; j < capture.size(); ++j)
         if (capture[j] == i) std::memcpy(cap + j * T * hidden_, h, sizeof(float) * T * hidden_);
     }
-    for (int64_t r = 0; r < T; ++r)
-      rmsnorm(h + r * hidden_, final_norm_.w.data_ptr<float>(), hidden_, eps_, h + r * hidden_);
+    norm_rows(h, T, final_norm_.w.data_ptr<float>(), h);
     return out;
   }
 
@@ -445,10 +448,11 @@ class FastModel {
     return v;
   }
 
-  void rope_rows(float* x, int64_t ld, int64_t T, int64_t nheads, const std::vector<float>& cos_t,
-                 const std::vector<float>& sin_t) const {
+  // Rotates rows r0..r1-1 of x (nheads heads of head_dim each).
+  void rope_rows(float* x, int64_t ld, int64_t r0, int64_t r1, int64_t nheads,
+                 const std::vector<float>& cos_t, const std::vector<float>& sin_t) const {
     const int64_t half = head_dim_ / 2;
-    for (int64_t r = 0; r < T; ++r)
+    for (int64_t r = r0; r < r1; ++r)
       for (int64_t h = 0; h < nheads; ++h) {
         float* v = x + r * ld + h * head_dim_;
         for (int64_t i = 0; i < half; ++i) {
@@ -469,7 +473,7 @@ class FastModel {
     gu_.resize(T * 2 * ffn_);
     y_.resize(T * D);
     // attention
-    for (int64_t r = 0; r < T; ++r) rmsnorm(h + r * D, l.attn_norm.w.data_ptr<float>(), D, eps_, &x_[r * D]);
+    norm_rows(h, T, l.attn_norm.w.data_ptr<float>(), x_.data());
     {
       Activations a(x_.data(), T, D, D);
       l.qkv.run(a, qkv_.data(), l.qkv.n);
@@ -478,15 +482,17 @@ class FastModel {
     float* q = qkv_.data();
     float* k = q + qd;
     float* v = k + kvd;
-    if (l.q_norm.present())
-      for (int64_t r = 0; r < T; ++r) {
-        for (int64_t hh = 0; hh < heads_; ++hh)
-          rmsnorm(q + r * ld + hh * head_dim_, l.q_norm.w.data_ptr<float>(), head_dim_, eps_, q + r * ld + hh * head_dim_);
-        for (int64_t hh = 0; hh < heads_kv_; ++hh)
-          rmsnorm(k + r * ld + hh * head_dim_, l.k_norm.w.data_ptr<float>(), head_dim_, eps_, k + r * ld + hh * head_dim_);
-      }
-    rope_rows(q, ld, T, heads_, cos_t, sin_t);
-    rope_rows(k, ld, T, heads_kv_, cos_t, sin_t);
+    parallel_rows(T, kRowsParallel, [&](int64_t r0, int64_t r1) {
+      if (l.q_norm.present())
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t hh = 0; hh < heads_; ++hh)
+            rmsnorm(q + r * ld + hh * head_dim_, l.q_norm.w.data_ptr<float>(), head_dim_, eps_, q + r * ld + hh * head_dim_);
+          for (int64_t hh = 0; hh < heads_kv_; ++hh)
+            rmsnorm(k + r * ld + hh * head_dim_, l.k_norm.w.data_ptr<float>(), head_dim_, eps_, k + r * ld + hh * head_dim_);
+        }
+      rope_rows(q, ld, r0, r1, heads_, cos_t, sin_t);
+      rope_rows(k, ld, r0, r1, heads_kv_, cos_t, sin_t);
+    });
     const int64_t per_layer = heads_kv_ * head_dim_;  // times slots, per segment
     std::vector<AttnPart> parts;  // each sequence's rows attend to its own cache
     for (const Seg& s : segs) {
@@ -502,13 +508,15 @@ class FastModel {
     }
     add_residual(l.post_attn_norm, x_.data(), T, h);
     // MLP
-    for (int64_t r = 0; r < T; ++r) rmsnorm(h + r * D, l.mlp_norm.w.data_ptr<float>(), D, eps_, &x_[r * D]);
+    norm_rows(h, T, l.mlp_norm.w.data_ptr<float>(), x_.data());
     {
       Activations a(x_.data(), T, D, D);
       l.gate_up.run(a, gu_.data(), 2 * ffn_);
     }
-    for (int64_t r = 0; r < T; ++r)
-      activation(&gu_[r * 2 * ffn_], &gu_[r * 2 * ffn_ + ffn_], ffn_, gelu_, &x_[r * ffn_]);
+    parallel_rows(T, kRowsParallel, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        activation(&gu_[r * 2 * ffn_], &gu_[r * 2 * ffn_ + ffn_], ffn_, gelu_, &x_[r * ffn_]);
+    });
     {
       Activations a(x_.data(), T, ffn_, ffn_);
       l.down.run(a, y_.data(), D);
@@ -518,11 +526,20 @@ class FastModel {
 
   // h += norm(y) (Gemma's post-norms) or h += y
   void add_residual(const Norm& post, float* y, int64_t T, float* h) const {
-    for (int64_t r = 0; r < T; ++r) {
-      float* yr = y + r * hidden_;
-      if (post.present()) rmsnorm(yr, post.w.data_ptr<float>(), hidden_, eps_, yr);
-      for (int64_t i = 0; i < hidden_; ++i) h[r * hidden_ + i] += yr[i];
-    }
+    parallel_rows(T, kRowsParallel, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float* yr = y + r * hidden_;
+        if (post.present()) rmsnorm(yr, post.w.data_ptr<float>(), hidden_, eps_, yr);
+        for (int64_t i = 0; i < hidden_; ++i) h[r * hidden_ + i] += yr[i];
+      }
+    });
+  }
+
+  // y[r] = rmsnorm(x[r]) * w for T rows of hidden_ (y may be x).
+  void norm_rows(const float* x, int64_t T, const float* w, float* y) const {
+    parallel_rows(T, kRowsParallel, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) rmsnorm(x + r * hidden_, w, hidden_, eps_, y + r * hidden_);
+    });
   }
 
   int64_t hidden_, heads_, heads_kv_, head_dim_, ffn_;
