@@ -49,7 +49,7 @@ def test_batch_file_outputs_equal_lone_generations(
         system_chat,
     ]
     assert [r["text"] for r in records] == [gen.generate(c, config=config).text for c in chats]
-    assert "3 prompts, 24 tokens" in err
+    assert "3 prompts, 24 tokens" in " ".join(err.split())  # the console may wrap the line
     out_file = tmp_path / "out.jsonl"
     code, out, _ = run_cli(capsys, [*argv, "--output", str(out_file), "--stats", "-q"])
     assert code == 0 and out == ""
@@ -69,6 +69,7 @@ def test_batch_file_outputs_equal_lone_generations(
         ('"hi"\n', ["a prompt too"], "either a prompt or --batch"),
         ('"hi"\n', ["--trace", "t.jsonl"], "--trace reports one request"),
         ('"hi"\n', ["--max-running", "0"], "max_running must be an integer >= 1"),
+        ('"hi"\n', ["--max-running", "8", "--step-rows", "4"], "raise step_rows or lower"),
         ('{"messages": [{"role": "user", "content": "x"}]}\n', ["--no-chat"], "need chat mode"),
     ],
 )

@@ -19,7 +19,7 @@ from specfork.models.cost import CostCurve
 from specfork.server.app import create_app
 from specfork.server.metrics import ServerMetrics
 from specfork.server.run import serve_in_background
-from specfork.server.worker import EngineWorker, Event, Job, ServerSettings
+from specfork.server.worker import EngineWorker, Event, Job, ServerSettings, make_batch
 from tiny_models import tiny_chat_llama
 
 CURVE = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.25, 1.5, 2.3, 3.9, 6.8))
@@ -132,6 +132,26 @@ def test_max_running_bounds_the_batch_over_http(loaded: LoadedModel) -> None:
 def test_max_running_is_validated() -> None:
     with pytest.raises(Exception, match="max_running must be an integer >= 1"):
         ServerSettings("tiny", max_running=0)
+
+
+def test_step_rows_sets_the_rows_of_a_step(loaded: LoadedModel) -> None:
+    """--step-rows bounds every forward the worker runs (prompt chunks fill what decoding
+    leaves, outputs unchanged); by default a step holds max(128, max_running) rows."""
+    gen = Generator(loaded, cost_curve=CURVE)
+    assert make_batch(gen, ServerSettings("tiny", max_running=4)).config.step_rows == 128
+    assert make_batch(gen, ServerSettings("tiny", max_running=200)).config.step_rows == 200
+    batch = make_batch(gen, ServerSettings("tiny", max_running=2, step_rows=8))
+    assert isinstance(batch, Scheduler) and batch.config.step_rows == 8
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    prompts = [PROMPTS[1] * 3, PROMPTS[4] * 3]
+    alone = [gen.generate(p, chat=False, config=config).text for p in prompts]
+    handles = [batch.add(p, chat=False, config=config) for p in prompts]
+    rows, texts = [], {}
+    while batch.running:
+        texts.update({id(u.running): u.result.text for u in batch.step() if u.result})
+        rows.append(batch.last_step().rows)
+    assert max(rows) <= 8 and rows.count(8) >= 4  # the prompts were read in 8-row chunks
+    assert [texts[id(h)] for h in handles] == alone
 
 
 def test_a_kv_budget_holds_the_next_job_until_memory_frees(loaded: LoadedModel) -> None:

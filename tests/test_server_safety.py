@@ -138,6 +138,8 @@ def test_serve_flags_for_access_and_limits(monkeypatch: pytest.MonkeyPatch) -> N
         (("--prefix-cache-mb", "-1"), "prefix_cache_mb"),
         (("--stream-interval", "-0.5"), "stream_interval"),
         (("--kv-budget-mb", "0"), "kv_budget_mb"),
+        (("--step-rows", "4"), r"step_rows \(4\) must hold at least one row per running"),
+        (("--step-rows", "0"), "step_rows must be an integer >= 1"),
     ]:
         with pytest.raises(SpecforkError, match=message):  # before any model is loaded
             serve_command.run(_serve_args("-m", "no-such-model", *argv), console)

@@ -75,7 +75,7 @@ def run_batch(args: argparse.Namespace, loaded: Any, generator: Any, config: Any
             generator.prompt_ids(item, chat=chat, config=config)
         except SpecforkError as exc:
             raise SpecforkError(f"prompt {number} of {args.batch}: {exc}") from None
-    batch = BatchConfig(max_running=args.max_running, step_rows=max(128, args.max_running))
+    batch = BatchConfig.rows_for(args.max_running, args.step_rows)
     t0 = time.perf_counter()
     results = generate_batch(generator, items, chat=chat, config=config, sampling=sampling,
                              batch=batch)  # fmt: skip

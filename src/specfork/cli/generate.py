@@ -82,6 +82,10 @@ def add_parser(sub: Any) -> None:
     b.add_argument(
         "--max-running", type=int, default=8, metavar="N", help="prompts decoded together (8)"
     )
+    b.add_argument(
+        "--step-rows", type=int, default=None, metavar="N",
+        help="rows one forward may hold (default max(128, --max-running))",
+    )  # fmt: skip
     b.add_argument("--output", "-o", type=Path, default=None, help="--batch results file")
     add_sampling_flags(gen)
     add_constraint_flags(gen)
@@ -164,7 +168,7 @@ def _check_batch_flags(args: argparse.Namespace) -> None:
     for flag, value in (("--trace", args.trace), ("--logprobs", args.logprobs)):
         if value is not None:
             raise SpecforkError(f"{flag} reports one request; run it without --batch")
-    BatchConfig(max_running=args.max_running, step_rows=max(128, args.max_running))
+    BatchConfig.rows_for(args.max_running, args.step_rows)
     read_batch(args.batch)  # a bad file fails before the model loads
     check_writable(args.output, "output file")
 

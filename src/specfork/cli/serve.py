@@ -52,6 +52,15 @@ def add_parser(subparsers: Any) -> None:
         help="requests decoded together in one batch (8; 1: one at a time)",
     )
     g.add_argument(
+        "--step-rows",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rows one forward may hold: decoding rows first, prompt chunks fill the rest "
+        "(default max(128, --max-running); lower: steadier tokens while long prompts are read, "
+        "higher: faster prompts)",
+    )
+    g.add_argument(
         "--prefix-cache-mb",
         type=int,
         default=None,
@@ -95,7 +104,7 @@ def add_parser(subparsers: Any) -> None:
 
 def batch_settings(args: argparse.Namespace) -> dict:
     """The `ServerSettings` of batching and streaming the flags give."""
-    names = ("max_running", "prefix_cache_mb", "stream_interval", "kv_budget_mb")
+    names = ("max_running", "prefix_cache_mb", "stream_interval", "kv_budget_mb", "step_rows")
     return {name: getattr(args, name) for name in names}
 
 

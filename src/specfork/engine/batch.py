@@ -51,6 +51,7 @@ from specfork.tree import depths
 log = logging.getLogger(__name__)
 
 STEP_HISTORY = 256  # step records kept for tracing
+DEFAULT_STEP_ROWS = 128  # rows a step's forward may hold, unless told (at least max_running)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +59,16 @@ class BatchConfig:
     """How the scheduler fills a step (validated on construction)."""
 
     max_running: int = 8  # requests decoding at once
-    step_rows: int = 128  # rows a step's forward may hold (prompt chunks fill what is left)
+    step_rows: int = DEFAULT_STEP_ROWS  # rows a forward may hold (prompt chunks fill the rest)
     kv_budget_bytes: int | None = None  # KV cache all running requests may hold (None: any)
     goodput: bool = True  # trim drafts together to the batch's best expected tokens/cost
     prefix_cache_bytes: int = 0  # KV of shared prefixes kept for later requests (0: none)
+
+    @classmethod
+    def rows_for(cls, max_running: int, step_rows: int | None = None) -> BatchConfig:
+        """max_running with step_rows rows a step (None: the default, at least max_running)."""
+        rows = max(DEFAULT_STEP_ROWS, max_running) if step_rows is None else step_rows
+        return cls(max_running=max_running, step_rows=rows)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "step_rows"):

@@ -101,6 +101,7 @@ class ServerSettings:
     prefix_cache_mb: int | None = None  # None: 256 on batch-invariant models, else off
     stream_interval: float = 0.02  # seconds between a stream's chunks (0: one per step)
     kv_budget_mb: float | None = None  # MiB of KV cache the running requests may hold together
+    step_rows: int | None = None  # rows a step's forward may hold (None: max(128, max_running))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -119,6 +120,9 @@ class ServerSettings:
         b = self.kv_budget_mb
         if b is not None and not (number_type(b) and math.isfinite(b) and b > 0):
             raise SpecforkError(f"kv_budget_mb must be a number of MiB > 0, got {b!r}")
+        rows = self.step_rows
+        if rows is not None:
+            BatchConfig.rows_for(self.max_running, rows)  # the batch's own check and message
         for name in ("plain_above_queue", "prefix_cache_mb"):
             n = getattr(self, name)
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
@@ -529,7 +533,7 @@ def make_batch(engine: Engine, settings: ServerSettings) -> Batch:
     from specfork.engine import Generator
 
     if isinstance(engine, Generator):
-        rows = max(128, settings.max_running)
+        rows = BatchConfig.rows_for(settings.max_running, settings.step_rows).step_rows
         mb = settings.prefix_cache_mb
         if mb is None:  # only where a cache hit cannot change an output's rounding
             mb = DEFAULT_PREFIX_CACHE_MB if getattr(engine.model, "batch_invariant", False) else 0
