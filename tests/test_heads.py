@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from cli_run import run_cli
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import DraftShape, Feedback, StepConfidence
 from specfork.drafters.head import HeadDrafter
@@ -26,7 +28,7 @@ from specfork.heads.packaged import packaged_head
 from specfork.loading.loader import LoadedModel
 from specfork.sampling import make_generator
 from specfork.tools.head_data import DataConfig, load_data, make_data
-from specfork.tools.head_train import TrainConfig, train_head
+from specfork.tools.head_train import TrainConfig, chain_runs, train_head
 
 pytestmark = pytest.mark.slow  # the real packaged model
 
@@ -84,6 +86,12 @@ def test_training_lowers_the_loss_and_resumes_where_it_stopped(smollm_f32, data,
     history = json.loads((tmp_path / "a" / "training.json").read_text())
     assert [h["step"] for h in history] == [4, 8]  # at every checkpoint
     assert all(0.0 <= h["held_out"] <= 1.0 for h in history)  # one of 3 samples held out
+    assert all(1.0 <= h["held_out_chain"] <= 1 + TRAIN.unroll for h in history)
+    best = max(history, key=lambda h: h["held_out_chain"])  # the head saved is that step's
+    saved = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["best"]
+    assert saved["step"] == best["step"]
+    for name, value in whole.state_dict().items():
+        assert torch.equal(value, saved["head"][name]), name
 
     def interrupt(stats) -> None:
         if stats.step == 6:
@@ -101,6 +109,56 @@ def test_training_lowers_the_loss_and_resumes_where_it_stopped(smollm_f32, data,
         TrainConfig(precision="float8")
     float32 = TrainConfig(**{**dataclasses.asdict(TRAIN), "precision": "float32"})
     assert TRAIN.bf16 == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and not float32.bf16
+
+
+def test_the_train_head_command_makes_data_trains_and_reports(tmp_path, capsys) -> None:
+    """`specfork train-head` end to end: data, training, the held-out figures of the head it
+    saved, and a head that loads for the drafter."""
+    out = tmp_path / "cli-head"
+    code, _, err = run_cli(capsys, [
+        "train-head", "--dtype", "float32", "--out", str(out), "--samples", "3",
+        "--answer-tokens", "8", "--steps", "3", "--window", "16", "--windows", "1",
+        "--unroll", "2", "--draft-vocab", "512", "--holdout", "0.4",
+    ])  # fmt: skip
+    assert code == 0, err
+    text = " ".join(err.split())
+    assert re.search(r"held-out answers: top-1 agreement [\d.]+, [\d.]+ tokens per forward in "
+                     r"a chain of 2 \(saved: step 3\)", text), text  # fmt: skip
+    history = json.loads((out / "training.json").read_text())
+    assert [h["step"] for h in history] == [3] and 1.0 <= history[0]["held_out_chain"] <= 3.0
+    assert (out / "head.safetensors").exists() and (out / "data" / "meta.json").exists()
+
+
+class _LogitsAreInputs:
+    """A stand-in head whose logits are its outputs (to score chains by hand)."""
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+def test_chain_runs_count_leading_drafts_equal_to_the_target_top1() -> None:
+    """Tokens per forward of a chain: each anchor's leading run of correct steps, cut where
+    the data leaves the target's greedy choice (the unroll no longer reads the drafts)."""
+    v, w = 8, 6
+    top = torch.tensor([1, 2, 3, 4, 5, 6])  # the target's top-1 at every position
+    window = {"tokens": torch.tensor([0, 1, 2, 3, 4, 5]), "top_index": top[:, None]}
+    t2d = torch.arange(v)
+
+    def steps(right: list[list[bool]]) -> list[torch.Tensor]:
+        out = []
+        for s, rows in enumerate(right, 1):  # step s, anchor i drafts token i+s+1: top[i+s]
+            pick = [top[i + s] if ok else 0 for i, ok in enumerate(rows)]
+            out.append(torch.nn.functional.one_hot(torch.tensor(pick), v).float()[None])
+        return out
+
+    head = _LogitsAreInputs()
+    perfect = steps([[True] * (w - 1), [True] * (w - 2)])
+    assert chain_runs(head, perfect, window, t2d) == (2 * 4, 4)  # 4 anchors with both steps
+    assert chain_runs(head, steps([[False] * 5, [True] * 4]), window, t2d) == (0, 4)
+    mixed = steps([[True, True, False, True, True], [False, True, True, True]])
+    assert chain_runs(head, mixed, window, t2d) == (1 + 2 + 0 + 2, 4)
+    sampled = dict(window, tokens=torch.tensor([0, 1, 2, 7, 4, 5]))  # token 3 was not top-1
+    assert chain_runs(head, perfect, sampled, t2d) == (2 + 1 + 2 + 2, 4)  # anchor 1 stops
 
 
 @pytest.mark.parametrize(

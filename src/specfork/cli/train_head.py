@@ -8,6 +8,7 @@ last checkpoint in the output folder (with the same settings). The result is a f
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -105,21 +106,28 @@ def run(args: argparse.Namespace, err: Console) -> int:
     with _bar(err) as bar:
         task = bar.add_task("training", total=train_cfg.steps, info="")
 
-        held = {"value": None}
+        held: dict[str, Any] = {"value": None, "chain": None}
 
         def shown(s: Any) -> None:
-            held["value"] = s.held_out if s.held_out is not None else held["value"]
+            if s.held_out is not None:
+                held["value"], held["chain"] = s.held_out, s.held_out_chain
             info = f"loss {s.loss:.3f}  top-1 {s.accuracy:.2f}"
             if held["value"] is not None:
-                info += f"  held-out top-1 {held['value']:.2f}"
+                info += f"  held-out top-1 {held['value']:.2f}, {held['chain']:.2f} tok/fwd"
             bar.update(task, completed=s.step, info=info)
 
         layers = tuple(meta["feature_layers"])
         save_dtype = getattr(torch, args.save_dtype)
         head = train_head(loaded, samples, layers, args.out, train_cfg, shown, save_dtype)
     trained = time.perf_counter() - t1
-    held_out = held["value"]
-    shown_held = "" if held_out is None else f", held-out top-1 agreement {held_out:.2f}"
+    history = json.loads((args.out / "training.json").read_text())
+    chains = [h for h in history if h.get("held_out_chain") is not None]
+    best = max(chains, key=lambda h: h["held_out_chain"]) if chains else None
+    shown_held = "" if best is None else (
+        f", held-out answers: top-1 agreement {best['held_out']:.2f}, "
+        f"{best['held_out_chain']:.2f} tokens per forward in a chain of {train_cfg.unroll} "
+        f"(saved: step {best['step']})"
+    )  # fmt: skip
     err.print(
         f"head in {args.out} ({head.size_bytes / 1e6:.1f} MB, draft vocabulary "
         f"{head.config.draft_vocab}, layers {list(head.config.feature_layers)}); data "

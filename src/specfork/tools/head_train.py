@@ -13,6 +13,13 @@ The draft vocabulary is the `draft_vocab` most frequent tokens of the data; the 
 from the target's own rows for them. Checkpoints (`checkpoint.pt`: weights, optimiser, step,
 random states) are written atomically every `checkpoint_every` steps; a run started again with
 the same folder resumes where it stopped.
+
+At every checkpoint the head is measured on the held-out conversations' last window each (the
+answers; the template and user turn come first): step 1's top-1 agreement with the target, and
+the **tokens per target forward** a greedy chain of `unroll` drafts would get there (1 + the
+leading run of drafts equal to the target's top-1, following the data while it is the target's
+greedy choice: exact on greedy answers, a lower bound on sampled ones). The head saved at the
+end is the checkpoint with the most held-out tokens per forward.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ class StepStats:
     loss: float
     accuracy: float  # step-1 top-1 agreement with the target on this step's windows
     held_out: float | None = None  # the same on the held-out samples (at checkpoints)
+    held_out_chain: float | None = None  # held-out tokens per forward of an `unroll` chain
 
 
 def draft_vocabulary(samples: list[dict[str, torch.Tensor]], size: int, vocab: int) -> torch.Tensor:
@@ -138,6 +146,10 @@ def train_head(
     with torch.inference_mode(False), torch.enable_grad():  # whatever mode the caller is in
         trainer.run()
     head.eval()
+    if trainer.best is not None:  # the checkpoint that drafts best on held-out answers
+        head.load_state_dict(trainer.best["head"])
+        log.info("saving the head of step %d (held-out %.3f tokens per forward)",
+                 trainer.best["step"], trainer.best["chain"])  # fmt: skip
     save_head(head, folder, save_dtype)
     return head
 
@@ -163,6 +175,7 @@ class _Trainer:
         self.t2d[head.d2t] = torch.arange(len(head.d2t))
         self.step, self.rng = 0, random.Random(cfg.seed)
         self.history: list[dict] = []
+        self.best: dict | None = None  # {"step", "chain", "head"} of the best checkpoint
 
     def restore(self, state: dict) -> None:
         self.head.load_state_dict(state["head"])
@@ -170,15 +183,19 @@ class _Trainer:
         self.step = state["step"]
         self.rng.setstate(state["rng"])
         self.history = state.get("history", [])
+        self.best = state.get("best")
 
     def run(self) -> None:
         cfg = self.cfg
         while self.step < cfg.steps:
             stats = self._one_step()
             if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
-                agreement = self.evaluate()
-                stats = StepStats(stats.step, stats.loss, stats.accuracy, agreement)
+                agreement, chain = self.evaluate()
+                stats = StepStats(stats.step, stats.loss, stats.accuracy, agreement, chain)
                 self.history.append(dataclasses.asdict(stats))
+                if chain is not None and (self.best is None or chain > self.best["chain"]):
+                    head = {k: v.detach().clone() for k, v in self.head.state_dict().items()}
+                    self.best = {"step": self.step, "chain": chain, "head": head}
                 self._checkpoint()
             if self.progress is not None:
                 self.progress(stats)
@@ -200,19 +217,22 @@ class _Trainer:
         self.step += 1
         return StepStats(self.step, total, correct)
 
-    def evaluate(self) -> float | None:
-        """Teacher-forced top-1 agreement with the target on the held-out samples (their
-        first window each), or None without a held-out share."""
+    def evaluate(self) -> tuple[float | None, float | None]:
+        """On the held-out samples (their last window each): step 1's top-1 agreement with the
+        target and a chain's tokens per target forward; (None, None) without a held-out share."""
         if not self.held_out:
-            return None
+            return None, None
         self.head.eval()
+        accs, runs, anchors = [], 0, 0
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
-            accs = [
-                unrolled_loss(self.head, self.loaded, _first(s, self.cfg.window), self.t2d, 1)[1]
-                for s in self.held_out
-            ]
+            for sample in self.held_out:
+                window = _last(sample, self.cfg.window)
+                steps = unrolled_steps(self.head, self.loaded, window, self.cfg.unroll)
+                accs.append(_soft_ce(self.head, steps[0], window, 1, self.t2d)[1])
+                run, n = chain_runs(self.head, steps, window, self.t2d)
+                runs, anchors = runs + run, anchors + n
         self.head.train()
-        return sum(accs) / len(accs)
+        return sum(accs) / len(accs), 1.0 + runs / max(1, anchors)
 
     def _checkpoint(self) -> None:
         path = self.folder / "checkpoint.pt"
@@ -225,14 +245,15 @@ class _Trainer:
             "d2t": self.head.d2t.clone(),
             "config": dataclasses.asdict(self.cfg),
             "history": self.history,
+            "best": self.best,
         }
         torch.save(state, tmp)
         tmp.replace(path)
         write_text(self.folder / "training.json", json.dumps(self.history, indent=1))
 
 
-def _first(sample: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    return {k: v[:length] for k, v in sample.items()}
+def _last(sample: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    return {k: v[-length:] for k, v in sample.items()}
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
@@ -256,6 +277,17 @@ def unrolled_loss(
 ) -> tuple[torch.Tensor, float]:
     """Soft cross-entropy of `unroll` training-time-test steps over one window, and step 1's
     top-1 agreement with the target."""
+    steps = unrolled_steps(head, loaded, window, unroll)
+    loss, acc = _soft_ce(head, steps[0], window, 1, t2d)
+    losses = [loss] + [_soft_ce(head, g, window, s, t2d)[0] for s, g in enumerate(steps[1:], 2)]
+    return torch.stack(losses).mean(), acc
+
+
+def unrolled_steps(
+    head: DraftHead, loaded: LoadedModel, window: dict, unroll: int
+) -> list[torch.Tensor]:
+    """The head's outputs of training-time-test steps 1..unroll over one window: step s's
+    [1, W - s, D], row i drafting token i + s + 1 from anchor i."""
     tokens = window["tokens"].long()  # [W]
     w = tokens.shape[0]
     with torch.no_grad():
@@ -264,8 +296,7 @@ def unrolled_loss(
     t1 = w - 1
     q, k1, v1 = head.project(embeds[:, 1:], feats, torch.arange(t1))
     g = head.finish(feats, head.attend(q, k1, v1, torch.ones(t1, t1, dtype=torch.bool).tril()))
-    loss, acc = _soft_ce(head, g, window, 1, t2d)
-    losses, unrolled = [loss], []
+    steps, unrolled = [g], []
     for s in range(2, unroll + 1):
         n = w - s  # anchors i with a target at position i + s
         if n < 1:
@@ -274,8 +305,30 @@ def unrolled_loss(
         q, k, v = head.project(embeds[:, s:], fin, torch.arange(n) + s - 1)
         unrolled.append((k, v))
         g = head.finish(fin, _ttt_attention(head, q, k1, v1, unrolled, n))
-        losses.append(_soft_ce(head, g, window, s, t2d)[0])
-    return torch.stack(losses).mean(), acc
+        steps.append(g)
+    return steps
+
+
+def chain_runs(
+    head: DraftHead, steps: list[torch.Tensor], window: dict, t2d: torch.Tensor
+) -> tuple[int, int]:
+    """(draft tokens a greedy chain of len(steps) would get accepted, anchors): for each anchor
+    with every step inside the window, the leading run of steps whose top-1 is the target's.
+    The unroll reads the data's tokens, which are the drafts only while the data follows the
+    target's greedy choice: the run also ends after a step where it does not."""
+    depth = len(steps)
+    top1 = t2d[window["top_index"][:, 0].long()]  # [W] the target's top-1 as a draft id, or -1
+    greedy = window["tokens"][1:].long() == window["top_index"][:-1, 0].long()  # [W - 1]
+    n = steps[-1].shape[1]  # anchors with all `depth` steps
+    alive = torch.ones(n, dtype=torch.bool)
+    accepted = 0
+    for s, g in enumerate(steps, 1):
+        hit = head.logits(g[0, :n]).argmax(-1) == top1[s : s + n]  # [n]
+        alive &= hit
+        accepted += int(alive.sum())
+        if s < depth:
+            alive &= greedy[s : s + n]  # token i + s + 1 of the data is the target's choice
+    return accepted, n
 
 
 def _ttt_attention(
