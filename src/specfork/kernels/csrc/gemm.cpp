@@ -429,18 +429,18 @@ SF_AMX static inline void scale_block(const PackedLinear& w, const uint8_t* wt, 
   }
 }
 
-// Tile products of blocks b and b+1 (if there is one) into sum tiles 0-1 or 2-3. (The tile
+// Tile products of blocks B and B+1 (if there is one) into sum tiles 0-1 or 2-3. (The tile
 // intrinsics take literal tile numbers.)
-#define SF_AMX_PRODUCTS(C0, C1)                               \
+#define SF_AMX_PRODUCTS(C0, C1, B)                            \
   do {                                                        \
     _tile_zero(C0);                                           \
-    _tile_loadd(4, xq + b * kBlock, a.k);                     \
-    _tile_loadd(6, codes + b * stride, 64);                   \
+    _tile_loadd(4, xq + (B) * kBlock, a.k);                   \
+    _tile_loadd(6, codes + (B) * stride, 64);                 \
     _tile_dpbsud(C0, 4, 6);                                   \
-    if (b + 1 < nb) {                                         \
+    if ((B) + 1 < nb) {                                       \
       _tile_zero(C1);                                         \
-      _tile_loadd(5, xq + (b + 1) * kBlock, a.k);             \
-      _tile_loadd(7, codes + (b + 1) * stride, 64);           \
+      _tile_loadd(5, xq + ((B) + 1) * kBlock, a.k);           \
+      _tile_loadd(7, codes + ((B) + 1) * stride, 64);         \
       _tile_dpbsud(C1, 5, 7);                                 \
     }                                                         \
   } while (0)
@@ -466,18 +466,15 @@ SF_AMX static void group_amx(const PackedLinear& w, const uint8_t* wt, const uin
   alignas(64) int32_t sums[2][16][16];
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
   const int8_t* xq = &a.q[r0 * a.k];
-  int64_t b = 0;
-  SF_AMX_PRODUCTS(0, 1);
-  for (; b < nb; b += 2) {
+  SF_AMX_PRODUCTS(0, 1, 0);
+  for (int64_t b = 0; b < nb; b += 2) {
     const bool odd_round = (b / 2) % 2 == 1;  // this round's sums are in tiles 2-3
-    b += 2;
-    if (b < nb) {
+    if (b + 2 < nb) {  // the next round's products, into the other pair of tiles
       if (odd_round)
-        SF_AMX_PRODUCTS(0, 1);
+        SF_AMX_PRODUCTS(0, 1, b + 2);
       else
-        SF_AMX_PRODUCTS(2, 3);
+        SF_AMX_PRODUCTS(2, 3, b + 2);
     }
-    b -= 2;
     if (odd_round)
       SF_AMX_SCALE(2, 3);
     else
