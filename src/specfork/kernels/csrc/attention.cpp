@@ -97,6 +97,18 @@ struct Partial {
   float m, l;  // max score, sum of exp(score - m)
 };
 
+// One query of a chunk: its vector, the keys it sees (the chunk's first n), where its weighted
+// values [D] and softmax partial go.
+struct Query {
+  const float* q;
+  int64_t n;
+  float* o;
+  float* m;
+  float* l;
+};
+
+using QueriesFn = void (*)(const Query*, int64_t, const float*, const float*, float, float*, float*);
+
 Partial chunk_generic(const float* q, const float* K, const float* V, int64_t n, int64_t D,
                       float scale, float* e, float* o) {
   float top = -std::numeric_limits<float>::infinity();
@@ -118,66 +130,140 @@ Partial chunk_generic(const float* q, const float* K, const float* V, int64_t n,
 }
 
 #if SF_X86
-// Dot products of q with 4 keys at once (independent chains; each key's sum is formed the
-// same way whatever its place among the four, so the result depends on the key alone).
-SF_AVX512 inline void dots4(const __m512* qv, int64_t vecs, const float* K, int64_t D,
-                            float* out) {
-  __m512 a[4];
-  for (int i = 0; i < 4; ++i) a[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(K + i * D));
-  for (int64_t c = 1; c < vecs; ++c)
-    for (int i = 0; i < 4; ++i) a[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(K + i * D + 16 * c), a[i]);
-  for (int i = 0; i < 4; ++i) out[i] = _mm512_reduce_add_ps(a[i]);
+// Lane j of the result: the sum of p[j]'s 16 lanes (j < 16), by a fixed tree — pairs of lanes
+// within 128-bit quarters, then the quarters — so a key's score depends on that key alone.
+SF_AVX512 inline __m512 sum16(const __m512* p) {
+  __m512 two[8], four[4], eight[2];
+  for (int i = 0; i < 8; ++i)  // [a0+a2, b0+b2, a1+a3, b1+b3] per quarter
+    two[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]),
+                           _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // lane 4q+k: key 4i+k's sum over quarter q
+    const __m512d a = _mm512_castps_pd(two[2 * i]), b = _mm512_castps_pd(two[2 * i + 1]);
+    four[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                            _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)  // quarters 0+1 and 2+3 of keys 8i..8i+3 and 8i+4..8i+7
+    eight[i] = _mm512_add_ps(_mm512_shuffle_f32x4(four[2 * i], four[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(four[2 * i], four[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(eight[0], eight[1], 0x88),
+                       _mm512_shuffle_f32x4(eight[0], eight[1], 0xdd));
 }
 
-SF_AVX512 inline float dot1(const __m512* qv, int64_t vecs, const float* k) {
-  __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-  for (int64_t c = 1; c < vecs; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);
-  return _mm512_reduce_add_ps(a);
+// Scores of q against the 16 keys K[0..15] (VECS vectors of 16 dimensions each): per key,
+// lane-wise products summed over the vectors in order, then sum16. Lane j depends on key j
+// alone, so keys past a chunk's end (the scratch rows after it) only fill lanes left unused.
+template <int VECS>
+SF_AVX512 inline __m512 dots16(const float* q, const float* K) {
+  constexpr int64_t D = 16 * VECS;
+  __m512 p[16];
+  const __m512 q0 = _mm512_loadu_ps(q);
+  for (int j = 0; j < 16; ++j) p[j] = _mm512_mul_ps(q0, _mm512_loadu_ps(K + j * D));
+  for (int c = 1; c < VECS; ++c) {
+    const __m512 qc = _mm512_loadu_ps(q + 16 * c);
+    for (int j = 0; j < 16; ++j) p[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(K + j * D + 16 * c), p[j]);
+  }
+  return sum16(p);
 }
 
-SF_AVX512 Partial chunk_avx512(const float* q, const float* K, const float* V, int64_t n,
-                               int64_t D, float scale, float* e, float* o) {
-  const int64_t vecs = D / 16;
-  __m512 qv[16];
-  for (int64_t c = 0; c < vecs; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) dots4(qv, vecs, K + j * D, D, e + j);
-  for (; j < n; ++j) e[j] = dot1(qv, vecs, K + j * D);
-  const __m512 sc = _mm512_set1_ps(scale);
-  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (j = 0; j < n; j += 16) {  // scale, then the max (exact in any order)
-    const __mmask16 lanes = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
-    const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, e + j), sc);
-    _mm512_mask_storeu_ps(e + j, lanes, x);
-    top = _mm512_mask_max_ps(top, lanes, top, x);
-  }
-  const float mx = _mm512_reduce_max_ps(top);
-  const __m512 m = _mm512_set1_ps(mx);
-  __m512 sums = _mm512_setzero_ps();
-  for (j = 0; j < n; j += 16) {
-    const __mmask16 lanes = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
-    const __m512 x = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, e + j), m));
-    _mm512_mask_storeu_ps(e + j, lanes, x);
-    sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(lanes, x));
-  }
-  // weighted values: even and odd ranks in two sets of accumulators, added at the end
-  __m512 even[16], odd[16];
-  for (int64_t c = 0; c < vecs; ++c) even[c] = odd[c] = _mm512_setzero_ps();
-  for (j = 0; j + 2 <= n; j += 2) {
-    const __m512 p0 = _mm512_set1_ps(e[j]), p1 = _mm512_set1_ps(e[j + 1]);
-    const float* v0 = V + j * D;
-    for (int64_t c = 0; c < vecs; ++c) {
-      even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
-      odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v0 + D + 16 * c), odd[c]);
+// acc [2, D] += weights e[j] times values V[j] for keys j0 <= j < end: even ranks into acc[0],
+// odd ranks into acc[1], at most 8 vectors of dimensions per pass. Called on consecutive
+// even-aligned ranges, it forms the very sums of one pass over all keys.
+template <int VECS>
+SF_AVX512 inline void weigh_keys(const float* e, const float* V, int64_t j0, int64_t end, float* acc) {
+  constexpr int64_t D = 16 * VECS, G = VECS < 8 ? VECS : 8;
+  for (int c0 = 0; c0 < VECS; c0 += G) {
+    __m512 even[G], odd[G];
+    for (int c = 0; c < G; ++c) {
+      even[c] = _mm512_loadu_ps(acc + 16 * (c0 + c));
+      odd[c] = _mm512_loadu_ps(acc + D + 16 * (c0 + c));
+    }
+    int64_t j = j0;
+    for (; j + 2 <= end; j += 2) {
+      const __m512 p0 = _mm512_set1_ps(e[j]), p1 = _mm512_set1_ps(e[j + 1]);
+      const float* v0 = V + j * D + 16 * c0;
+      for (int c = 0; c < G; ++c) {
+        even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+        odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v0 + D + 16 * c), odd[c]);
+      }
+    }
+    if (j < end) {
+      const __m512 p0 = _mm512_set1_ps(e[j]);
+      for (int c = 0; c < G; ++c)
+        even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(V + j * D + 16 * (c0 + c)), even[c]);
+    }
+    for (int c = 0; c < G; ++c) {
+      _mm512_storeu_ps(acc + 16 * (c0 + c), even[c]);
+      _mm512_storeu_ps(acc + D + 16 * (c0 + c), odd[c]);
     }
   }
-  if (j < n) {
-    const __m512 p0 = _mm512_set1_ps(e[j]);
-    for (int64_t c = 0; c < vecs; ++c)
-      even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(V + j * D + 16 * c), even[c]);
+}
+
+// The queries of one chunk (rows and heads sharing its keys and values; K and V hold kChunk
+// rows, the scratch of attention_parts). Each query's steps are those of one pass over its keys
+// — scores, max, exponentials and their sum, weighted values in even and odd ranks — but the
+// loops run keys-outer, 16 keys for every query and then the next 16 (32 for the values), so a
+// block of keys is read from L1 by all queries instead of from L2 by each.
+// e: [count, kChunk] scratch; acc: [count, 2, D] scratch.
+template <int VECS>
+SF_AVX512 void queries_avx512(const Query* qs, int64_t count, const float* K, const float* V,
+                              float scale, float* e, float* acc) {
+  constexpr int64_t D = 16 * VECS;
+  int64_t most = 0;
+  for (int64_t i = 0; i < count; ++i) most = std::max(most, qs[i].n);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < most; j += 16)
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t n = qs[i].n;
+      if (j >= n) continue;
+      const __mmask16 lanes = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
+      _mm512_mask_storeu_ps(e + i * kChunk + j, lanes, _mm512_mul_ps(dots16<VECS>(qs[i].q, K + j * D), sc));
+    }
+  for (int64_t i = 0; i < count; ++i) {  // max (exact in any order), exponentials, their sum
+    const int64_t n = qs[i].n;
+    float* ei = e + i * kChunk;
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 lanes = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
+      top = _mm512_mask_max_ps(top, lanes, top, _mm512_maskz_loadu_ps(lanes, ei + j));
+    }
+    const float mx = _mm512_reduce_max_ps(top);
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 sums = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 lanes = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
+      const __m512 x = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, ei + j), m));
+      _mm512_mask_storeu_ps(ei + j, lanes, x);
+      sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(lanes, x));
+    }
+    *qs[i].m = mx;
+    *qs[i].l = _mm512_reduce_add_ps(sums);
   }
-  for (int64_t c = 0; c < vecs; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(even[c], odd[c]));
-  return {mx, _mm512_reduce_add_ps(sums)};
+  std::fill(acc, acc + count * 2 * D, 0.f);
+  for (int64_t j = 0; j < most; j += 32)
+    for (int64_t i = 0; i < count; ++i)
+      if (j < qs[i].n) weigh_keys<VECS>(e + i * kChunk, V, j, std::min(j + 32, qs[i].n), acc + i * 2 * D);
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t c = 0; c < VECS; ++c)
+      _mm512_storeu_ps(qs[i].o + 16 * c, _mm512_add_ps(_mm512_loadu_ps(acc + i * 2 * D + 16 * c),
+                                                       _mm512_loadu_ps(acc + i * 2 * D + D + 16 * c)));
+}
+
+// The AVX-512 kernel for head size D (a multiple of 16 up to 256), or null.
+QueriesFn queries_avx512_for(int64_t D) {
+  switch (D / 16) {
+    case 1: return queries_avx512<1>;
+    case 2: return queries_avx512<2>;
+    case 3: return queries_avx512<3>;
+    case 4: return queries_avx512<4>;
+    case 5: return queries_avx512<5>;
+    case 6: return queries_avx512<6>;
+    case 7: return queries_avx512<7>;
+    case 8: return queries_avx512<8>;
+    case 10: return queries_avx512<10>;
+    case 12: return queries_avx512<12>;
+    case 16: return queries_avx512<16>;
+    default: return nullptr;
+  }
 }
 
 SF_AVX2 void gather_avx2(const void* base, CacheType type, int64_t head_base, const int32_t* slots,
@@ -312,10 +398,11 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
   const int64_t group = s.heads / s.heads_kv, D = s.head_dim;
   auto fetch = gather;
   auto chunk = chunk_generic;
+  QueriesFn many = nullptr;  // all queries of a chunk at once (AVX-512), else one by one
 #if SF_X86
-  if (isa_level() == kAvx512 && D % 16 == 0 && D <= 256) {
+  if (isa_level() == kAvx512 && D % 16 == 0 && queries_avx512_for(D) != nullptr) {
     fetch = gather_avx512;
-    chunk = chunk_avx512;
+    many = queries_avx512_for(D);
   } else if (isa_level() >= kAvx2 && D % 8 == 0) {
     fetch = gather_avx2;
     chunk = chunk_avx2;
@@ -351,12 +438,15 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
     }
   }
   struct Scratch {
-    std::vector<float> K, V, e;
+    std::vector<float> K, V, e, acc;
+    std::vector<Query> queries;
   };
+  const int64_t most = kRowBlock * group;  // queries of one item
   parallel_dynamic(
       static_cast<int64_t>(items.size()),
       [&] { return Scratch{std::vector<float>(kChunk * D), std::vector<float>(kChunk * D),
-                           std::vector<float>(kChunk + 16)}; },
+                           std::vector<float>(most * kChunk + 16), std::vector<float>(most * 2 * D),
+                           {}}; },
       [&](int64_t i, Scratch& w) {
         const Item& it = items[i];
         const AttnPart& part = parts[it.part];
@@ -365,15 +455,23 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
         const int32_t* slots = part.plan->vis.idx.data() + t.first;
         fetch(kv.k, kv.type, it.g * kv.slots * D, slots, it.n, D, w.K.data());
         fetch(kv.v, kv.type, it.g * kv.slots * D, slots, it.n, D, w.V.data());
+        w.queries.clear();
         for (int32_t k = it.row0; k < it.row0 + it.rows; ++k) {
           const int64_t r = part.row0 + t.rows[k];
           for (int64_t h = it.g * group; h < (it.g + 1) * group; ++h) {
             const int64_t at = (r * s.heads + h) * C + t.chunk;
-            const float* qh = q + r * ldq + h * D;
-            const Partial p = chunk(qh, w.K.data(), w.V.data(), t.lens[k], D, s.scale, w.e.data(), &po[at * D]);
-            pm[at] = p.m;
-            pl[at] = p.l;
+            w.queries.push_back(Query{q + r * ldq + h * D, t.lens[k], &po[at * D], &pm[at], &pl[at]});
           }
+        }
+        if (many) {
+          many(w.queries.data(), static_cast<int64_t>(w.queries.size()), w.K.data(), w.V.data(),
+               s.scale, w.e.data(), w.acc.data());
+          return;
+        }
+        for (const Query& one : w.queries) {
+          const Partial p = chunk(one.q, w.K.data(), w.V.data(), one.n, D, s.scale, w.e.data(), one.o);
+          *one.m = p.m;
+          *one.l = p.l;
         }
       });
   parallel(s.rows * s.heads, [&](int64_t begin, int64_t end) {

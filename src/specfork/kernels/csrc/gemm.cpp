@@ -203,21 +203,29 @@ static void tile_generic(const PackedLinear& w, const Activations& a, int64_t ti
 #if SF_X86
 // -- AVX-512 kernels -----------------------------------------------------------------------------
 
-// Integer dot products of one block for RT rows: group g of 4 inputs at a time, two partial
-// sums per row (even and odd groups) so that 2*RT independent chains keep the unit busy. The
-// integer sums are exact, so splitting them changes nothing in the result.
+// Integer dot products of one block for RT rows, 4 inputs per product. Up to 5 rows keep two
+// partial sums per row (even and odd groups) so that at least 2*RT independent chains keep the
+// unit busy; from 6 rows the rows alone give enough chains, and one sum per row leaves the
+// registers for the weights. The integer sums are exact, so neither choice changes the result.
 template <int RT>
 SF_AVX512 static inline void dot_block(const __m512i* w, const Activations& a, int64_t r0,
                                        int64_t at, __m512i* s) {
-  __m512i even[RT], odd[RT];
-  for (int r = 0; r < RT; ++r) even[r] = odd[r] = _mm512_setzero_si512();
-  for (int g = 0; g < 8; g += 2)
-    for (int r = 0; r < RT; ++r) {
-      const int32_t* x4 = reinterpret_cast<const int32_t*>(&a.q[(r0 + r) * a.k + at]);
-      even[r] = _mm512_dpbusd_epi32(even[r], w[g], _mm512_set1_epi32(x4[g]));
-      odd[r] = _mm512_dpbusd_epi32(odd[r], w[g + 1], _mm512_set1_epi32(x4[g + 1]));
-    }
-  for (int r = 0; r < RT; ++r) s[r] = _mm512_add_epi32(even[r], odd[r]);
+  const int32_t* x4[RT];
+  for (int r = 0; r < RT; ++r) x4[r] = reinterpret_cast<const int32_t*>(&a.q[(r0 + r) * a.k + at]);
+  if constexpr (RT >= 6) {
+    for (int r = 0; r < RT; ++r) s[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g)
+      for (int r = 0; r < RT; ++r) s[r] = _mm512_dpbusd_epi32(s[r], w[g], _mm512_set1_epi32(x4[r][g]));
+  } else {
+    __m512i even[RT], odd[RT];
+    for (int r = 0; r < RT; ++r) even[r] = odd[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g += 2)
+      for (int r = 0; r < RT; ++r) {
+        even[r] = _mm512_dpbusd_epi32(even[r], w[g], _mm512_set1_epi32(x4[r][g]));
+        odd[r] = _mm512_dpbusd_epi32(odd[r], w[g + 1], _mm512_set1_epi32(x4[r][g + 1]));
+      }
+    for (int r = 0; r < RT; ++r) s[r] = _mm512_add_epi32(even[r], odd[r]);
+  }
 }
 
 template <int RT>
@@ -346,16 +354,34 @@ SF_AVX512BF16 static void rows_avx512(const PackedLinear& w, const Activations& 
   store_rows(w, tile, r0, RT, acc, y, ldy);
 }
 
-// Rows r.. of one tile, 8, 4 and then 1-3 at a time.
+// Rows r0..r0+n-1 (n <= 8) of one tile in one pass over its weights.
+SF_AVX512BF16 static void rows_n_avx512(const PackedLinear& w, const Activations& a, int64_t t,
+                                        int64_t r0, int64_t n, float* y, int64_t ldy) {
+  switch (n) {
+    case 8: return rows_avx512<8>(w, a, t, r0, y, ldy);
+    case 7: return rows_avx512<7>(w, a, t, r0, y, ldy);
+    case 6: return rows_avx512<6>(w, a, t, r0, y, ldy);
+    case 5: return rows_avx512<5>(w, a, t, r0, y, ldy);
+    case 4: return rows_avx512<4>(w, a, t, r0, y, ldy);
+    case 3: return rows_avx512<3>(w, a, t, r0, y, ldy);
+    case 2: return rows_avx512<2>(w, a, t, r0, y, ldy);
+    case 1: return rows_avx512<1>(w, a, t, r0, y, ldy);
+    default: return;
+  }
+}
+
+// Rows r.. of one tile in passes of at most 8 rows, as even as can be (11 rows: 6 + 5, not
+// 8 + 3): every pass reads the tile's weights once, and a short last pass would cost nearly
+// as much as a full one.
 SF_AVX512BF16 static void rows_from_avx512(const PackedLinear& w, const Activations& a, int64_t t,
                                            int64_t r, float* y, int64_t ldy) {
-  for (; r + 8 <= a.rows; r += 8) rows_avx512<8>(w, a, t, r, y, ldy);
-  for (; r + 4 <= a.rows; r += 4) rows_avx512<4>(w, a, t, r, y, ldy);
-  switch (a.rows - r) {
-    case 3: rows_avx512<3>(w, a, t, r, y, ldy); break;
-    case 2: rows_avx512<2>(w, a, t, r, y, ldy); break;
-    case 1: rows_avx512<1>(w, a, t, r, y, ldy); break;
-    default: break;
+  const int64_t left = a.rows - r;
+  if (left <= 0) return;
+  const int64_t passes = (left + 7) / 8;
+  for (int64_t p = 0; p < passes; ++p) {
+    const int64_t n = left / passes + (p < left % passes ? 1 : 0);
+    rows_n_avx512(w, a, t, r, n, y, ldy);
+    r += n;
   }
 }
 
