@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -437,24 +438,30 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
       }
     }
   }
+  // each thread's scratch, left uninitialised (it is written before it is read): keys and values
+  // [kChunk, D] as float, scores [queries, kChunk], weighted-value sums [queries, 2, D]
   struct Scratch {
-    std::vector<float> K, V, e, acc;
+    std::unique_ptr<float[]> K, V, e, acc;
     std::vector<Query> queries;
   };
   const int64_t most = kRowBlock * group;  // queries of one item
   parallel_dynamic(
       static_cast<int64_t>(items.size()),
-      [&] { return Scratch{std::vector<float>(kChunk * D), std::vector<float>(kChunk * D),
-                           std::vector<float>(most * kChunk + 16), std::vector<float>(most * 2 * D),
-                           {}}; },
+      [&] {
+        const auto floats = [](int64_t n) { return std::unique_ptr<float[]>(new float[n]); };
+        return Scratch{floats(kChunk * D), floats(kChunk * D), floats(most * kChunk + 16),
+                       floats(most * 2 * D), {}};
+      },
       [&](int64_t i, Scratch& w) {
         const Item& it = items[i];
         const AttnPart& part = parts[it.part];
         const KVView& kv = part.kv;
         const ChunkTask& t = part.plan->tasks[it.task];
         const int32_t* slots = part.plan->vis.idx.data() + t.first;
-        fetch(kv.k, kv.type, it.g * kv.slots * D, slots, it.n, D, w.K.data());
-        fetch(kv.v, kv.type, it.g * kv.slots * D, slots, it.n, D, w.V.data());
+        fetch(kv.k, kv.type, it.g * kv.slots * D, slots, it.n, D, w.K.get());
+        fetch(kv.v, kv.type, it.g * kv.slots * D, slots, it.n, D, w.V.get());
+        // the AVX-512 scores read keys 16 at a time: the rows after the chunk's last are zeros
+        std::fill(w.K.get() + it.n * D, w.K.get() + std::min<int64_t>(kChunk, (it.n + 15) / 16 * 16) * D, 0.f);
         w.queries.clear();
         for (int32_t k = it.row0; k < it.row0 + it.rows; ++k) {
           const int64_t r = part.row0 + t.rows[k];
@@ -464,23 +471,28 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
           }
         }
         if (many) {
-          many(w.queries.data(), static_cast<int64_t>(w.queries.size()), w.K.data(), w.V.data(),
-               s.scale, w.e.data(), w.acc.data());
+          many(w.queries.data(), static_cast<int64_t>(w.queries.size()), w.K.get(), w.V.get(),
+               s.scale, w.e.get(), w.acc.get());
           return;
         }
         for (const Query& one : w.queries) {
-          const Partial p = chunk(one.q, w.K.data(), w.V.data(), one.n, D, s.scale, w.e.data(), one.o);
+          const Partial p = chunk(one.q, w.K.get(), w.V.get(), one.n, D, s.scale, w.e.get(), one.o);
           *one.m = p.m;
           *one.l = p.l;
         }
       });
-  parallel(s.rows * s.heads, [&](int64_t begin, int64_t end) {
+  // merging is a few vector steps per chunk: the threads only pay for many (row, head, chunk)s
+  const auto merge_items = [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / s.heads;
       const int64_t at = item * C;
       merge(&pm[at], &pl[at], &po[at * D], chunks[r], D, out + item * D);
     }
-  });
+  };
+  if (s.rows * s.heads * C >= 256)
+    parallel(s.rows * s.heads, merge_items);
+  else
+    merge_items(0, s.rows * s.heads);
 }
 
 }  // namespace sf
