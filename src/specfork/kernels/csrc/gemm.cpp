@@ -624,23 +624,40 @@ static void tiles_generic(const PackedLinear& w, const Activations& a, int64_t t
 // AMX takes Q4 and Q8 products from this many rows (a group of 16 and the rest on AVX-512).
 constexpr int64_t kAmxRows = 16;
 
-void linear(const PackedLinear& w, Activations& a, float* y, int64_t ldy) {
-  if (w.k != a.k) throw std::invalid_argument("linear: input size does not match the weight");
-  a.need(w.kind);
-  const int64_t tiles = (w.n + kTile - 1) / kTile;
+// Tiles t0..t1-1 of one weight, on the best kernel for it and this CPU.
+static void tiles_of(const PackedLinear& w, const Activations& a, int64_t t0, int64_t t1, float* y,
+                     int64_t ldy) {
   const int isa = isa_level();
-  const bool amx = isa == kAvx512 && a.rows >= kAmxRows && (w.kind == Kind::Q4 || w.kind == Kind::Q8)
-                   && has_amx_int8();
-  (void)amx;
-  parallel(tiles, [&](int64_t t0, int64_t t1) {
 #if SF_HAVE_AMX
-    if (amx) return tiles_amx(w, a, t0, t1, y, ldy);
+  if (isa == kAvx512 && a.rows >= kAmxRows && (w.kind == Kind::Q4 || w.kind == Kind::Q8) &&
+      has_amx_int8())
+    return tiles_amx(w, a, t0, t1, y, ldy);
 #endif
 #if SF_X86
-    if (isa == kAvx512) return tiles_avx512(w, a, t0, t1, y, ldy);
-    if (isa == kAvx2) return tiles_avx2(w, a, t0, t1, y, ldy);
+  if (isa == kAvx512) return tiles_avx512(w, a, t0, t1, y, ldy);
+  if (isa == kAvx2) return tiles_avx2(w, a, t0, t1, y, ldy);
 #endif
-    tiles_generic(w, a, t0, t1, y, ldy);
+  (void)isa;
+  tiles_generic(w, a, t0, t1, y, ldy);
+}
+
+void linear(const PackedLinear& w, Activations& a, float* y, int64_t ldy) {
+  linear_fused({&w}, a, y, ldy);
+}
+
+void linear_fused(const std::vector<const PackedLinear*>& ws, Activations& a, float* y, int64_t ldy) {
+  std::vector<int64_t> first(ws.size() + 1, 0), col(ws.size(), 0);  // each weight's first tile, column
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (ws[i]->k != a.k) throw std::invalid_argument("linear: input size does not match the weight");
+    a.need(ws[i]->kind);
+    first[i + 1] = first[i] + (ws[i]->n + kTile - 1) / kTile;
+    if (i + 1 < ws.size()) col[i + 1] = col[i] + ws[i]->n;
+  }
+  parallel(first.back(), [&](int64_t t0, int64_t t1) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t lo = std::max(t0, first[i]), hi = std::min(t1, first[i + 1]);
+      if (lo < hi) tiles_of(*ws[i], a, lo - first[i], hi - first[i], y + col[i], ldy);
+    }
   });
 }
 

@@ -54,6 +54,9 @@ class Activations {
 
 // y[r, 0:n] = x[r] . W^T (+ bias) for every row; y has row stride ldy.
 void linear(const PackedLinear& w, Activations& a, float* y, int64_t ldy);
+// Several weights reading the same input (q|k|v, gate|up), outputs side by side in y: one
+// parallel pass over all their tiles (each tile computed as `linear` computes it).
+void linear_fused(const std::vector<const PackedLinear*>& ws, Activations& a, float* y, int64_t ldy);
 
 // The float value of weight (row, col) of a packed matrix (for embedding lookups and tests).
 void unpack_row(const PackedLinear& w, int64_t row, float* out);

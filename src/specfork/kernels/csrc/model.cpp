@@ -61,11 +61,9 @@ struct Fused {
   std::vector<PackedPtr> parts;
   int64_t n = 0;
   void run(Activations& a, float* y, int64_t ldy) const {
-    int64_t at = 0;
-    for (const auto& p : parts) {
-      linear(p->w, a, y + at, ldy);
-      at += p->w.n;
-    }
+    std::vector<const PackedLinear*> ws;
+    for (const auto& p : parts) ws.push_back(&p->w);
+    linear_fused(ws, a, y, ldy);
   }
 };
 
