@@ -42,6 +42,7 @@ from specfork.bench.machine import machine_info
 from specfork.bench.openai_api import ServerAnswerError
 from specfork.bench.report import check_output_dir
 from specfork.cli.common import read_first_turns
+from specfork.engine.batch import BatchConfig
 from specfork.engine.thread import model_thread, run_in
 from specfork.errors import SpecforkError
 from specfork.loading.loader import LoadedModel, load_model
@@ -97,6 +98,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="per level, the same at every level: at least 2 per client of the largest",
     )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--step-rows", type=int, default=None, metavar="N",
+        help="rows one batched forward may hold, as `specfork serve --step-rows` "
+        "(default: the server's, max(128, --max-running))",
+    )  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="interleaved runs, medians shown")
     p.add_argument(
         "--out", type=Path, default=None, help="folder for results.json, table.md, load.png"
@@ -108,14 +114,15 @@ def run(args: argparse.Namespace) -> int:
     """The load run; its exit status (1 when texts differ)."""
     settings = LoadSettings(args.concurrency, args.requests, args.max_tokens, args.repeats)
     configs = configurations(parse_load_strategies(args.strategies), args.max_running)
+    BatchConfig.rows_for(args.max_running, args.step_rows)  # refused before the model loads
     out = check_output_dir(args.out) if args.out else None
     prompts = read_first_turns(args.prompts) if args.prompts else list(BUILT_IN_PROMPTS)
     with model_thread() as thread:  # loads and runs the model, as `specfork serve` does
         loaded = run_in(thread, load_model, args.model, dtype=args.dtype, device=args.device)
-        servers = InProcessServers(loaded, thread, args.max_context)
+        servers = InProcessServers(loaded, thread, args.max_context, step_rows=args.step_rows)
         result = sweep(configs, prompts, settings, servers, progress=log.info)
     used = prompts[: max(settings.requests_at(c) for c in settings.concurrency)]
-    report = LoadReport(configs, settings, used, result, about(loaded))
+    report = LoadReport(configs, settings, used, result, about(loaded, args.step_rows))
     title = (
         f"{report.about['title']}: {args.max_tokens} tokens per request, "
         f"{args.repeats} repeat(s), medians"
@@ -123,13 +130,15 @@ def run(args: argparse.Namespace) -> int:
     return finish(report, out, title)
 
 
-def about(loaded: LoadedModel) -> dict[str, Any]:
-    """The model and machine, for results.json."""
+def about(loaded: LoadedModel, step_rows: int | None = None) -> dict[str, Any]:
+    """The model, the rows a step may hold (None: the server's default) and the machine, for
+    results.json."""
     dtype, device = str(loaded.model.dtype).removeprefix("torch."), str(loaded.model.device)
     return {
         "title": f"{loaded.path.name} ({dtype}, {device})",
         "model": loaded.path.name,
         "batch_invariant": bool(getattr(loaded.model, "batch_invariant", False)),
+        "step_rows": step_rows,
         "machine": machine_info(dtype, device),
     }
 

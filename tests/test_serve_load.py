@@ -175,7 +175,7 @@ def test_load_run_end_to_end(script: ModuleType, tiny_folder: Path, tmp_path: Pa
     argv = ["--model", str(tiny_folder), "--dtype", "float32", "--device", "cpu",
             "--max-context", "256", "--strategies", "ar,ngram", "--max-running", "2",
             "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4",
-            "--out", str(out)]  # fmt: skip
+            "--step-rows", "3", "--out", str(out)]  # fmt: skip
     assert script.main(argv) == 0
     assert {p.name for p in out.iterdir()} == {"results.json", "table.md", "load.png"}
     assert (out / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -199,6 +199,7 @@ def test_load_run_end_to_end(script: ModuleType, tiny_folder: Path, tmp_path: Pa
         texts.setdefault(s["prompt"], set()).add(s["text"])
     assert all(len(t) == 1 and next(iter(t)) for t in texts.values()), texts
     assert doc["same_text"] is True and doc["text_mismatches"] == []
+    assert doc["step_rows"] == 3  # steps of 3 rows: prompts are split, texts the same
     assert sorted(doc["library_decode_tokens_per_s"]) == ["ar (plain)", "speculative ngram k=4"]
     assert len(doc["summary"]) == 8 and doc["settings"]["concurrency"] == [1, 2]
     assert list(doc["ratios"]["speculation on / off"]) == [
@@ -249,7 +250,10 @@ def test_bad_input_fails_before_loading(script: ModuleType, capsys, tmp_path: Pa
     for argv, words in ((["--concurrency", "0,2"], "--concurrency must list integers >= 1"),
                         (["--strategies", "ar,hf:ar"], "not a strategy specfork serves"),
                         (["--max-running", "0"], "--max-running must be an integer >= 1"),
-                        (["--requests", "0"], "--requests must be an integer >= 1")):  # fmt: skip
+                        (["--requests", "0"], "--requests must be an integer >= 1"),
+                        (["--step-rows", "0"], "step_rows must be an integer >= 1"),
+                        (["--step-rows", "4"], "step_rows (4) must hold at least one row per "
+                                               "running request (max_running 8)")):  # fmt: skip
         assert script.main(base + argv) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1 and "Traceback" not in err

@@ -319,10 +319,17 @@ def _levels(
 class InProcessServers:
     """Servers of one loaded model, on the thread that loaded it (`model_thread()`)."""
 
-    def __init__(self, loaded: Any, thread: Executor, max_context: int | None = None) -> None:
+    def __init__(
+        self,
+        loaded: Any,
+        thread: Executor,
+        max_context: int | None = None,
+        step_rows: int | None = None,
+    ) -> None:
         self.loaded = loaded
         self.thread = thread
         self.max_context = max_context
+        self.step_rows = step_rows  # rows a step's forward may hold (None: the server's default)
         self._generators: dict[SpecConfig, Any] = {}
 
     def generator(self, spec: SpecConfig) -> Any:
@@ -349,6 +356,7 @@ class InProcessServers:
             queue_size=max(64, queue_size),
             thread=self.thread,
             max_running=config.max_running,
+            step_rows=self.step_rows,
         )
         with serve_in_background(app) as url:
             yield url
