@@ -12,6 +12,7 @@ import torch
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Draft, Feedback, chain_draft
+from specfork.drafters.meter import CostMeter
 from specfork.engine import Generator
 from specfork.loading.loader import LoadedModel
 from specfork.models.cost import CostCurve
@@ -148,3 +149,22 @@ def test_gated_sampling_stays_reproducible(smollm_f32: LoadedModel) -> None:
     first = gen.generate(PROMPT, config=config, sampling=sampling)
     again = gen.generate(PROMPT, config=config, sampling=sampling)
     assert first.token_ids == again.token_ids
+
+
+def test_the_cost_meter_averages_proposals_and_keeps_its_floor() -> None:
+    meter = CostMeter(target_seconds=0.01, floor=0.1, rate=0.25)
+    assert meter.cost == 0.1  # nothing measured yet: the static estimate
+    meter.observe(0.004, 2)  # 2 ms a token = 0.2 target steps
+    assert meter.cost == pytest.approx(0.2)
+    meter.observe(0.5, 0)  # nothing drafted: not a measurement
+    assert meter.cost == pytest.approx(0.2)
+    meter.observe(0.0, 4)  # free this time: the average moves a quarter of the way
+    assert meter.per_token == pytest.approx(0.75 * 0.002)
+    assert meter.cost == pytest.approx(0.15)
+    for _ in range(50):
+        meter.observe(0.0, 1)
+    assert meter.cost == 0.1  # never below the floor
+    for bad, words in (({"target_seconds": 0.0}, "target_seconds"), ({"floor": -1.0}, "floor"),
+                       ({"rate": 0.0}, "rate"), ({"rate": 1.5}, "rate")):  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            CostMeter(**{"target_seconds": 0.01, "floor": 0.1, **bad})

@@ -20,6 +20,7 @@ from cli_run import run_cli
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import DraftShape, Feedback, StepConfidence
 from specfork.drafters.head import HeadDrafter
+from specfork.drafters.meter import CostMeter
 from specfork.engine import Generator
 from specfork.errors import ConfigError
 from specfork.heads.fast import LINEARS, on_kernels
@@ -210,6 +211,25 @@ def test_a_sampled_head_draft_carries_its_q(smollm_f32, head_dir) -> None:
     outside[session.head.d2t] = False
     assert float(draft.q[:, outside].sum()) == 0.0
     assert all(draft.q[i, t] > 0 for i, t in enumerate(draft.tokens.tolist()))
+
+
+def test_a_metered_head_reports_what_its_proposals_cost(smollm_f32, head_dir) -> None:
+    """With a meter the head's cost is the time of its proposals per drafted token over a
+    target step (a clock that advances 0.6 s a proposal here), shared by every request's
+    drafter, and never below the static estimate."""
+    session, history = _session(smollm_f32, head_dir)
+    ticks = itertools.count(step=0.3)  # each clock reading 0.3 s after the last
+    meter = CostMeter(target_seconds=0.1, floor=0.05, rate=0.5, clock=lambda: next(ticks))
+    metered = HeadDrafter(session.head, smollm_f32.model, meter=meter)
+    assert metered.cost == 0.05  # the floor until a proposal is timed
+    request = metered.begin(history[:-1])
+    request.features, request.known = session.features, session.known
+    draft = request.propose(history, DraftShape(3), SamplingParams(), make_generator(0))
+    assert len(draft) == 3
+    assert metered.cost == pytest.approx(0.3 / 3 / 0.1)  # one proposal: 0.3 s for 3 tokens
+    assert request.cost == metered.cost  # the request's drafter reads the shared meter
+    request.propose(history, DraftShape(1), SamplingParams(), make_generator(0))
+    assert metered.cost == pytest.approx((0.5 * 0.1 + 0.5 * 0.3) / 0.1)  # the moving average
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)])

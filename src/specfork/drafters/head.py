@@ -18,6 +18,7 @@ import torch
 
 from specfork.config import SamplingParams
 from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback, StepConfidence
+from specfork.drafters.meter import CostMeter
 from specfork.heads.model import DraftHead
 from specfork.models.base import DecoderLM
 from specfork.sampling import probabilities, sample
@@ -53,14 +54,22 @@ class HeadDrafter:
     """Proposes chains and trees with a `DraftHead` over the target `model`'s features."""
 
     def __init__(
-        self, head: DraftHead, model: DecoderLM, name: str = "head", cost: float | None = None
+        self,
+        head: DraftHead,
+        model: DecoderLM,
+        name: str = "head",
+        cost: float | None = None,
+        meter: CostMeter | None = None,
     ) -> None:
+        """`cost`: target forwards per drafted token (default: by weights); `meter`, when
+        given, measures it from the proposals instead (shared by every request's drafter)."""
         self.head = head
         self.model = model  # for its input embeddings only
         self.name = name
         self.wants_logits = False
         self.hidden_layers: tuple[int, ...] = tuple(head.config.feature_layers)
-        self.cost = self.weights_cost(head, model) if cost is None else cost
+        self.static_cost = self.weights_cost(head, model) if cost is None else cost
+        self.meter = meter
         d = head.config.hidden_size
         self.features = torch.zeros(0, len(self.hidden_layers) * d)  # [positions, C·D]
         self.known = 0  # positions whose features arrived
@@ -74,9 +83,15 @@ class HeadDrafter:
         """Target forwards one head step costs, by weights multiplied."""
         return sum(p.numel() for p in head.parameters()) / model.step_weights()
 
+    @property
+    def cost(self) -> float:
+        """Target forwards one drafted token costs: measured when there is a meter."""
+        return self.meter.cost if self.meter is not None else self.static_cost
+
     def begin(self, prompt_ids: list[int]) -> HeadDrafter:
-        """A drafter of its own for one request (features and cache), sharing the head."""
-        return HeadDrafter(self.head, self.model, self.name, self.cost)
+        """A drafter of its own for one request (features and cache), sharing the head and the
+        meter."""
+        return HeadDrafter(self.head, self.model, self.name, self.static_cost, self.meter)
 
     # -- learning what the target computed --------------------------------------------------------
     def observe(self, feedback: Feedback) -> None:
@@ -111,12 +126,15 @@ class HeadDrafter:
         depth = shape.depth if shape.model_depth is None else min(shape.depth, shape.model_depth)
         if depth < 1 or self.known < len(history) - 1:
             return EMPTY_DRAFT  # the target's features of the history are not all here
+        start = self.meter.clock() if self.meter is not None else 0.0
         with torch.inference_mode():
             grown = _Grown(self._catch_up(history), self.cached)
             try:
                 q = self._grow(grown, shape, depth, sampling, rng)
             finally:
                 self.cached = grown.prefix  # the draft rows leave the cache
+        if self.meter is not None:
+            self.meter.observe(self.meter.clock() - start, len(grown.token))
         if not grown.token:
             return EMPTY_DRAFT
         scores = torch.tensor(grown.score, dtype=torch.float64)  # [N]

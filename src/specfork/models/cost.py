@@ -56,3 +56,26 @@ class CostCurve:
         for i in range(1, len(cost)):  # more rows never cost less (noise)
             cost[i] = max(cost[i], cost[i - 1])
         return cls(ROWS, tuple(cost))
+
+
+def one_row_seconds(model: object, context: int = 64, repeats: int = 5) -> float:
+    """Seconds of one decoding step of `model` (a one-row forward and its logits after
+    `context` cached tokens), the median of `repeats` runs after a warm-up: the unit in which
+    a drafter's measured cost is expressed."""
+    cache = model.new_cache(context + 2)  # type: ignore[attr-defined]
+    device = model.device  # type: ignore[attr-defined]
+    with torch.inference_mode():
+        prompt = torch.zeros(1, context, dtype=torch.long, device=device)  # [1, C]
+        model(prompt, torch.arange(context, device=device), cache)  # type: ignore[operator]
+        token = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
+        position = torch.tensor([context], device=device)  # [1]
+        runs = []
+        for _ in range(repeats + 1):  # the first run warms up
+            cache.truncate(context)
+            t0 = time.perf_counter()
+            hidden = model(token, position, cache)  # type: ignore[operator]
+            model.logits(hidden[0])  # type: ignore[attr-defined]
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
+            runs.append(time.perf_counter() - t0)
+    return statistics.median(runs[1:])

@@ -101,9 +101,11 @@ def _draft_head(path: str, target: LoadedModel) -> Drafter:
     """A trained draft head (`specfork train-head`): at `path`, or the one shipped for the
     target."""
     from specfork.drafters.head import HeadDrafter
+    from specfork.drafters.meter import CostMeter
     from specfork.heads.fast import can_pack, on_kernels
     from specfork.heads.model import load_head
     from specfork.heads.packaged import packaged_head
+    from specfork.models.cost import one_row_seconds
 
     folder = Path(path) if path else packaged_head(target)
     head = load_head(folder, target.model.config)
@@ -111,7 +113,8 @@ def _draft_head(path: str, target: LoadedModel) -> Drafter:
     kernels = getattr(target.model, "kernels", None)  # a FastLM target runs on the kernels
     if kernels is not None and can_pack(head):
         head = on_kernels(head, kernels, "q8")  # int8 blocks: half bf16's traffic, same drafts
-    return HeadDrafter(head, target.model, cost=cost)
+    meter = CostMeter(one_row_seconds(target.model), floor=cost)
+    return HeadDrafter(head, target.model, cost=cost, meter=meter)
 
 
 def _draft_model(name_or_path: str, target: LoadedModel) -> Drafter:
