@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,14 +44,12 @@ class CostCurve:
             for r in ROWS:
                 tokens = torch.zeros(1, r, dtype=torch.long, device=model.device)  # type: ignore[attr-defined]
                 positions = torch.arange(r, device=tokens.device)  # [R]
-                runs = []
-                for _ in range(repeats + 1):  # the first run warms up
-                    cache.reset()
-                    t0 = time.perf_counter()
-                    hidden = model(tokens, positions, cache)  # type: ignore[operator]
+
+                def step(t: torch.Tensor = tokens, p: torch.Tensor = positions) -> None:
+                    hidden = model(t, p, cache)  # type: ignore[operator]
                     model.logits(hidden[0])  # type: ignore[attr-defined]
-                    runs.append(time.perf_counter() - t0)
-                times.append(statistics.median(runs[1:]))
+
+                times.append(_median_seconds(step, cache.reset, repeats))
         base = times[0]
         cost = [max(1.0, t / base) for t in times]
         for i in range(1, len(cost)):  # more rows never cost less (noise)
@@ -69,13 +68,23 @@ def one_row_seconds(model: object, context: int = 64, repeats: int = 5) -> float
         model(prompt, torch.arange(context, device=device), cache)  # type: ignore[operator]
         token = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
         position = torch.tensor([context], device=device)  # [1]
-        runs = []
-        for _ in range(repeats + 1):  # the first run warms up
-            cache.truncate(context)
-            t0 = time.perf_counter()
+
+        def step() -> None:
             hidden = model(token, position, cache)  # type: ignore[operator]
             model.logits(hidden[0])  # type: ignore[attr-defined]
             if torch.device(device).type == "cuda":
                 torch.cuda.synchronize(device)
-            runs.append(time.perf_counter() - t0)
+
+        return _median_seconds(step, lambda: cache.truncate(context), repeats)
+
+
+def _median_seconds(step: Callable[[], None], rewind: Callable[[], None], repeats: int) -> float:
+    """Median seconds of `step` over `repeats` runs after a warm-up run, `rewind` (not timed)
+    before each."""
+    runs = []
+    for _ in range(repeats + 1):
+        rewind()
+        t0 = time.perf_counter()
+        step()
+        runs.append(time.perf_counter() - t0)
     return statistics.median(runs[1:])
