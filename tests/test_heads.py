@@ -130,6 +130,30 @@ def test_the_train_head_command_makes_data_trains_and_reports(tmp_path, capsys) 
     assert (out / "head.safetensors").exists() and (out / "data" / "meta.json").exists()
 
 
+def test_task_data_keeps_the_answers_and_trains_beside_other_sets(tmp_path, data, capsys) -> None:
+    """`--tasks --context-tokens N`: user turns from the task templates, samples cut to N
+    tokens before the answer; `--extra-data` trains on an earlier set too (each set holds out
+    its own share), and a set made for other layers is refused."""
+    out = tmp_path / "tasks-head"
+    args = ["train-head", "--dtype", "float32", "--out", str(out), "--samples", "2",
+            "--answer-tokens", "8", "--tasks", "--context-tokens", "6", "--steps", "2",
+            "--window", "12", "--windows", "1", "--unroll", "2", "--draft-vocab", "512",
+            "--holdout", "0.4"]  # fmt: skip
+    code, _, err = run_cli(capsys, [*args, "--extra-data", str(data)])
+    assert code == 0, err
+    assert "data 5 samples" in " ".join(err.split())  # 2 made here + 3 from the earlier set
+    meta, samples = load_data(out / "data")
+    assert meta["config"]["tasks"] is True and meta["config"]["context_tokens"] == 6
+    assert len(meta["config"]["tasks_corpus"]) == 16
+    for s in samples:  # 6 prompt tokens, then the answer (at most 8 tokens and an end)
+        assert 7 <= len(s["tokens"]) <= 6 + 9 and s["features"].shape[0] == len(s["tokens"])
+    foreign = tmp_path / "foreign"
+    code, _, err = run_cli(capsys, ["train-head", "--dtype", "float32", "--out", str(foreign),
+                                    "--samples", "1", "--answer-tokens", "4", "--layers", "1,2",
+                                    "--steps", "1", "--extra-data", str(data)])  # fmt: skip
+    assert code != 0 and "train on data sets of one target and feature layers" in err
+
+
 class _LogitsAreInputs:
     """A stand-in head whose logits are its outputs (to score chains by hand)."""
 
@@ -167,13 +191,16 @@ def test_chain_runs_count_leading_drafts_equal_to_the_target_top1() -> None:
     [
         {"strategy": "speculative", "k": 4, "goodput": False},
         {"strategy": "dspark"},
-        {"strategy": "spork", "drafter": "head", "tree": "forks"},
-        {"strategy": "spork", "drafter": "head", "tree": "dynamic"},
-        {"strategy": "spork", "drafter": "recycle+ngram+head"},
+        {"strategy": "spork", "drafter": "head", "tree": "forks", "goodput": False},
+        {"strategy": "spork", "drafter": "head", "tree": "dynamic", "goodput": False},
+        {"strategy": "spork", "drafter": "recycle+ngram+head", "goodput": False},
     ],
     ids=["chain", "dspark", "spork-forks", "spork-dynamic", "spork-merged"],
 )
 def test_the_head_drafts_in_every_strategy_losslessly(smollm_f32, head_dir, spec) -> None:
+    """Without the goodput gates (they weigh drafts by timed costs: on a loaded machine an
+    8-step head's trees may all be declined) every strategy drafts with the head, and the
+    output is plain decoding's."""
     drafter = spec.pop("drafter", "head").replace("head", f"head:{head_dir}")
     config = GenerationConfig(max_new_tokens=32, ignore_eos=True)
     plain = Generator(smollm_f32).generate(PROMPT, config=config)

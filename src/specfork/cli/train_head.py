@@ -11,7 +11,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -19,6 +19,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from specfork.cli.common import add_model_flags, model_options
 from specfork.errors import ConfigError
+
+if TYPE_CHECKING:
+    from specfork.tools.head_train import TrainConfig
 
 
 def add_parser(sub: Any) -> None:
@@ -38,7 +41,27 @@ def add_parser(sub: Any) -> None:
         help="user turns to answer instead of self-written ones: JSONL of {'prompt': ...} or "
         "plain text, one a line (never Spec-Bench data)",
     )
+    d.add_argument(
+        "--tasks",
+        action="store_true",
+        help="user turns from task templates (summaries, extraction, questions on passages, "
+        "code, translation, arithmetic, writing) over this Python's standard library docs",
+    )
+    d.add_argument(
+        "--context-tokens",
+        type=int,
+        default=None,
+        help="keep at most this many tokens before each answer (long pasted prompts; default all)",
+    )
     d.add_argument("--layers", default=None, help="feature blocks, e.g. 2,15,27 (EAGLE-3's)")
+    d.add_argument(
+        "--extra-data",
+        type=Path,
+        action="append",
+        default=[],
+        help="another data set made earlier for the same target and layers, trained on too "
+        "(each keeps its own held-out share); repeatable",
+    )
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--lr", type=float, default=1e-3)
@@ -69,7 +92,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     import torch
 
     from specfork.loading.loader import load_model
-    from specfork.tools.head_data import DataConfig, load_data, make_data
+    from specfork.tools.head_data import DataConfig, make_data
     from specfork.tools.head_train import TrainConfig, train_head
 
     layers = _layers(args.layers)
@@ -80,6 +103,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
         seed=args.seed,
         feature_layers=layers,
         prompts=prompts,
+        tasks=args.tasks,
+        context_tokens=args.context_tokens,
     )
     train_cfg = TrainConfig(
         steps=args.steps,
@@ -100,8 +125,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
     with _bar(err) as bar:
         task = bar.add_task("making data", total=args.samples, info="")
         make_data(loaded, data_dir, data_cfg, lambda done, _: bar.update(task, completed=done))
-    meta, samples = load_data(data_dir)
-    tokens = sum(len(s["tokens"]) for s in samples)
+    meta, samples, held_out = _data_sets([data_dir, *args.extra_data], train_cfg)
+    tokens = sum(len(s["tokens"]) for s in samples + held_out)
     t1 = time.perf_counter()
     with _bar(err) as bar:
         task = bar.add_task("training", total=train_cfg.steps, info="")
@@ -118,7 +143,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
 
         layers = tuple(meta["feature_layers"])
         save_dtype = getattr(torch, args.save_dtype)
-        head = train_head(loaded, samples, layers, args.out, train_cfg, shown, save_dtype)
+        head = train_head(loaded, samples, layers, args.out, train_cfg, shown, save_dtype, held_out)
     trained = time.perf_counter() - t1
     history = json.loads((args.out / "training.json").read_text())
     chains = [h for h in history if h.get("held_out_chain") is not None]
@@ -131,7 +156,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
     err.print(
         f"head in {args.out} ({head.size_bytes / 1e6:.1f} MB, draft vocabulary "
         f"{head.config.draft_vocab}, layers {list(head.config.feature_layers)}); data "
-        f"{len(samples)} samples, {tokens} tokens, {t1 - t0:.0f} s; training {trained:.0f} s"
+        f"{len(samples) + len(held_out)} samples, {tokens} tokens, {t1 - t0:.0f} s; "
+        f"training {trained:.0f} s"
         f"{shown_held} (history: training.json). Use it with --drafter head:{args.out}",
         markup=False,
         highlight=False,
@@ -167,3 +193,28 @@ def _prompts(path: Path) -> tuple[str, ...]:
     if not prompts:
         raise ConfigError(f"{path} holds no prompts")
     return prompts
+
+
+def _data_sets(folders: list[Path], cfg: TrainConfig) -> tuple[dict, list, list]:
+    """The first folder's meta, and the train and held-out samples of all the folders (each
+    split on its own); refused when the sets were made for other targets or layers."""
+    from specfork.tools.head_data import load_data
+    from specfork.tools.head_train import split_holdout
+
+    if len({f.resolve() for f in folders}) < len(folders):
+        raise ConfigError("a data folder is given twice (--data and --extra-data)")
+    first, train, held = None, [], []
+    for folder in folders:
+        meta, samples = load_data(folder)
+        shape = {k: meta.get(k) for k in ("target", "hidden_size", "vocab_size", "feature_layers")}
+        if first is None:
+            first = (meta, shape)
+        elif shape != first[1]:
+            raise ConfigError(
+                f"the data in {folder} was made for {shape}, the data in {folders[0]} for "
+                f"{first[1]}; train on data sets of one target and feature layers"
+            )
+        t, h = split_holdout(samples, cfg)
+        train, held = train + t, held + h
+    assert first is not None
+    return first[0], train, held

@@ -21,7 +21,7 @@ import itertools
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ import torch
 from specfork.config import GenerationConfig, SamplingParams
 from specfork.errors import ConfigError
 from specfork.loading.loader import LoadedModel
+from specfork.tools.task_prompts import Corpus, load_corpus, task_prompts
 
 if TYPE_CHECKING:
     from specfork.engine import Generator
@@ -51,14 +52,33 @@ class DataConfig:
     seed: int = 0
     feature_layers: tuple[int, ...] = ()  # () = the head's default (2, L/2, L-3)
     prompts: tuple[str, ...] = ()  # user turns to use instead of self-written ones (cycled)
+    tasks: bool = False  # user turns from task templates over the standard library's docs
+    context_tokens: int | None = None  # most tokens kept before each answer (None: all)
 
     def __post_init__(self) -> None:
         for name in ("samples", "answer_tokens", "user_tokens", "top_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+            _check_count(name, getattr(self, name))
+        if self.context_tokens is not None:
+            _check_count("context_tokens", self.context_tokens)
         object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
         object.__setattr__(self, "prompts", tuple(self.prompts))
+        if self.tasks and self.prompts:
+            raise ConfigError("give a prompt file or task prompts, not both")
+
+    def settings(self) -> dict:
+        """What makes one sample differ from another (the meta's record; settings left at
+        their defaults since they were added are left out, so older data sets still match)."""
+        out = {**asdict(self), "samples": None, "prompts": None}
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in ("tasks", "context_tokens"):
+            if out[name] == defaults[name]:
+                del out[name]
+        return out
+
+
+def _check_count(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def make_data(
@@ -77,26 +97,34 @@ def make_data(
         last = model_cfg.num_layers - 1
         raise ConfigError(f"feature layers {layers} outside the target's blocks 0-{last}")
     folder.mkdir(parents=True, exist_ok=True)
-    _check_meta(folder, loaded, cfg, layers)
+    corpus = load_corpus() if cfg.tasks else None
+    _check_meta(folder, loaded, cfg, layers, corpus)
     gen = Generator(loaded)
     shards = -(-cfg.samples // SHARD)
     for shard in range(shards):
         path = folder / f"shard-{shard:05d}.safetensors"
         first, last = shard * SHARD, min(cfg.samples, (shard + 1) * SHARD)
         if _shard_samples(path) != last - first:  # missing, or made for fewer samples
-            _write_shard(path, _samples(gen, loaded, cfg, layers, range(first, last)))
+            records = _samples(gen, loaded, cfg, layers, range(first, last), corpus)
+            _write_shard(path, records)
         if progress is not None:
             progress(last, cfg.samples)
     return folder
 
 
 def _check_meta(
-    folder: Path, loaded: LoadedModel, cfg: DataConfig, layers: tuple[int, ...]
+    folder: Path,
+    loaded: LoadedModel,
+    cfg: DataConfig,
+    layers: tuple[int, ...],
+    corpus: Corpus | None = None,
 ) -> None:
     """Record what the data is; refuse to mix it with data made otherwise."""
     from specfork.atomic import write_text
 
-    settings = {**asdict(cfg), "samples": None, "feature_layers": list(layers), "prompts": None}
+    settings = {**cfg.settings(), "feature_layers": list(layers)}
+    if corpus is not None:  # task prompts: the library text they are made from
+        settings["tasks_corpus"] = corpus.fingerprint
     prompts = hashlib.sha256("\0".join(cfg.prompts).encode()).hexdigest() if cfg.prompts else None
     meta = {
         "target": loaded.path.name,
@@ -119,15 +147,26 @@ def _check_meta(
 
 
 def _samples(
-    gen: Generator, loaded: LoadedModel, cfg: DataConfig, layers: tuple[int, ...], index: range
+    gen: Generator,
+    loaded: LoadedModel,
+    cfg: DataConfig,
+    layers: tuple[int, ...],
+    index: range,
+    corpus: Corpus | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Samples `index`: user turns, the target's answers (generated together in one batch:
     each request keeps its own seed and the target's rows are batch-invariant, so they are the
-    answers it gives alone), then each conversation's features and top-k."""
+    answers it gives alone), then each conversation's features and top-k (from at most
+    `context_tokens` tokens before the answer on)."""
     from specfork.engine.batch import BatchConfig, generate_batch
 
-    users = [cfg.prompts[i % len(cfg.prompts)] for i in index] if cfg.prompts else None
-    if users is None:
+    if cfg.prompts:
+        users = [cfg.prompts[i % len(cfg.prompts)] for i in index]
+    elif cfg.tasks:
+        if corpus is None:
+            raise ValueError("task prompts need the corpus they are made from")
+        users = task_prompts(corpus, len(index), cfg.seed, first=index.start)
+    else:
         users = _user_turns(gen, loaded, cfg, index)
     chats = [[{"role": "user", "content": user}] for user in users]
     sampling = [  # greedy for even samples, sampled for odd ones
@@ -137,7 +176,12 @@ def _samples(
     config = GenerationConfig(max_new_tokens=cfg.answer_tokens)
     batch = BatchConfig(max_running=len(index))
     results = generate_batch(gen, chats, config=config, sampling=sampling, batch=batch)
-    return [record(loaded, r.prompt_ids + r.token_ids, layers, cfg.top_k) for r in results]
+    keep = cfg.context_tokens
+    return [
+        record(loaded, r.prompt_ids + r.token_ids, layers, cfg.top_k,
+               0 if keep is None else max(0, len(r.prompt_ids) - keep))
+        for r in results
+    ]  # fmt: skip
 
 
 def _user_turns(gen: Generator, loaded: LoadedModel, cfg: DataConfig, index: range) -> list[str]:
@@ -159,9 +203,10 @@ def _user_turns(gen: Generator, loaded: LoadedModel, cfg: DataConfig, index: ran
 
 
 def record(
-    loaded: LoadedModel, ids: list[int], layers: tuple[int, ...], top_k: int
+    loaded: LoadedModel, ids: list[int], layers: tuple[int, ...], top_k: int, first: int = 0
 ) -> dict[str, torch.Tensor]:
-    """One forward over `ids`: tokens, features [T, C·D] fp16, top-k [T, k] of the target."""
+    """One forward over `ids`: tokens, features [T, C·D] fp16, top-k [T, k] of the target,
+    kept from position `first` on (the forward still reads all of `ids`)."""
     model = loaded.model
     with torch.inference_mode():
         cache = model.new_cache(len(ids) + 1)
@@ -174,10 +219,10 @@ def record(
     assert captured is not None
     feats = captured.permute(1, 0, 2).flatten(1)  # [T, C·D]
     return {
-        "tokens": tokens.int(),
-        "features": feats.half(),
-        "top_index": top.indices.int(),
-        "top_logp": top.values.half(),
+        "tokens": tokens[first:].int(),
+        "features": feats[first:].half(),
+        "top_index": top.indices[first:].int(),
+        "top_logp": top.values[first:].half(),
     }
 
 

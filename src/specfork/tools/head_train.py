@@ -115,20 +115,23 @@ def train_head(
     cfg: TrainConfig,
     progress: Callable[[StepStats], None] | None = None,
     save_dtype: torch.dtype | None = None,
+    held_out: list[dict[str, torch.Tensor]] | None = None,
 ) -> DraftHead:
     """Train (or resume training) a head; saves it to `folder` (weights in `save_dtype`,
     default float32) and returns it.
 
-    The last `holdout` share of the samples is never trained on: at every checkpoint the
-    head's teacher-forced top-1 agreement with the target there is measured, and the history
-    of training and held-out figures is written to `training.json`."""
+    The held-out samples (default: the last `holdout` share of `samples`, see
+    `split_holdout`) are never trained on: at every checkpoint the head's teacher-forced top-1
+    agreement with the target there is measured, and the history of training and held-out
+    figures is written to `training.json`."""
     model_cfg = loaded.model.config
     folder.mkdir(parents=True, exist_ok=True)
     state = _load_checkpoint(folder / "checkpoint.pt", cfg)
     vocab = model_cfg.vocab_size
-    usable = [s for s in samples if len(s["tokens"]) >= cfg.unroll + 2]
-    held = int(len(usable) * cfg.holdout) if len(usable) > 1 else 0
-    train, held_out = usable[: len(usable) - held], usable[len(usable) - held :]
+    if held_out is None:
+        train, held_out = split_holdout(samples, cfg)
+    else:
+        train, held_out = _usable(samples, cfg), _usable(held_out, cfg)
     if not train:
         raise ConfigError("no sample is long enough to train on")
     d2t = state["d2t"] if state else draft_vocabulary(train, cfg.draft_vocab, vocab)
@@ -152,6 +155,20 @@ def train_head(
                  trainer.best["step"], trainer.best["chain"])  # fmt: skip
     save_head(head, folder, save_dtype)
     return head
+
+
+def split_holdout(
+    samples: list[dict[str, torch.Tensor]], cfg: TrainConfig
+) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """(train, held out) of one data set: its last `cfg.holdout` share is held out (samples
+    too short for an unroll are dropped)."""
+    usable = _usable(samples, cfg)
+    held = int(len(usable) * cfg.holdout) if len(usable) > 1 else 0
+    return usable[: len(usable) - held], usable[len(usable) - held :]
+
+
+def _usable(samples: list[dict[str, torch.Tensor]], cfg: TrainConfig) -> list[dict]:
+    return [s for s in samples if len(s["tokens"]) >= cfg.unroll + 2]
 
 
 class _Trainer:
