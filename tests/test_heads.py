@@ -112,6 +112,21 @@ def test_training_lowers_the_loss_and_resumes_where_it_stopped(smollm_f32, data,
     assert TRAIN.bf16 == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and not float32.bf16
 
 
+def test_training_can_start_from_another_head(smollm_f32, data, head_dir, tmp_path) -> None:
+    """`--init`: a new run starts from a head's weights and draft vocabulary (fine-tuning it
+    on other data); a head reading other blocks than the data holds is refused."""
+    meta, samples = load_data(data)
+    layers = tuple(meta["feature_layers"])
+    start = load_head(head_dir, smollm_f32.model.config)
+    still = TrainConfig(**{**dataclasses.asdict(TRAIN), "steps": 1, "lr": 1e-9, "draft_vocab": 64})
+    tuned = train_head(smollm_f32, samples, layers, tmp_path / "tuned", still, init=start)
+    assert torch.equal(tuned.d2t, start.d2t)  # the start's vocabulary, not 64 tokens of this data
+    for name, value in start.state_dict().items():  # one step of lr 1e-9: the start's weights
+        torch.testing.assert_close(tuned.state_dict()[name], value, atol=1e-6, rtol=0, msg=name)
+    with pytest.raises(ConfigError, match="make the data with --layers 2,15,27"):
+        train_head(smollm_f32, samples, (2, 15), tmp_path / "other", still, init=start)
+
+
 def test_the_train_head_command_makes_data_trains_and_reports(tmp_path, capsys) -> None:
     """`specfork train-head` end to end: data, training, the held-out figures of the head it
     saved, and a head that loads for the drafter."""

@@ -63,6 +63,14 @@ def add_parser(sub: Any) -> None:
         "(each keeps its own held-out share); repeatable",
     )
     t = p.add_argument_group("training")
+    t.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        metavar="HEAD_DIR",
+        help="start from this head's weights and draft vocabulary (fine-tune a head on other "
+        "data; a lower --lr suits); ignored when resuming",
+    )
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--window", type=int, default=256, help="tokens per window (256)")
@@ -91,6 +99,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace, err: Console) -> int:
     import torch
 
+    from specfork.heads.model import load_head
     from specfork.loading.loader import load_model
     from specfork.tools.head_data import DataConfig, make_data
     from specfork.tools.head_train import TrainConfig, train_head
@@ -120,6 +129,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     )
     with err.status(f"loading {escape(args.model)}…", spinner="dots"):
         loaded = load_model(args.model, progress=False, **model_options(args))
+    init = load_head(args.init, loaded.model.config) if args.init else None
     data_dir = args.data or args.out / "data"
     t0 = time.perf_counter()
     with _bar(err) as bar:
@@ -143,7 +153,9 @@ def run(args: argparse.Namespace, err: Console) -> int:
 
         layers = tuple(meta["feature_layers"])
         save_dtype = getattr(torch, args.save_dtype)
-        head = train_head(loaded, samples, layers, args.out, train_cfg, shown, save_dtype, held_out)
+        head = train_head(
+            loaded, samples, layers, args.out, train_cfg, shown, save_dtype, held_out, init
+        )
     trained = time.perf_counter() - t1
     history = json.loads((args.out / "training.json").read_text())
     chains = [h for h in history if h.get("held_out_chain") is not None]

@@ -116,9 +116,11 @@ def train_head(
     progress: Callable[[StepStats], None] | None = None,
     save_dtype: torch.dtype | None = None,
     held_out: list[dict[str, torch.Tensor]] | None = None,
+    init: DraftHead | None = None,
 ) -> DraftHead:
     """Train (or resume training) a head; saves it to `folder` (weights in `save_dtype`,
-    default float32) and returns it.
+    default float32) and returns it. A new run starts from `init`'s weights and draft
+    vocabulary when given (fine-tuning a head on other data), else from the target's rows.
 
     The held-out samples (default: the last `holdout` share of `samples`, see
     `split_holdout`) are never trained on: at every checkpoint the head's teacher-forced top-1
@@ -134,10 +136,23 @@ def train_head(
         train, held_out = _usable(samples, cfg), _usable(held_out, cfg)
     if not train:
         raise ConfigError("no sample is long enough to train on")
-    d2t = state["d2t"] if state else draft_vocabulary(train, cfg.draft_vocab, vocab)
+    if init is not None and tuple(init.config.feature_layers) != tuple(feature_layers):
+        raise ConfigError(
+            f"the head to start from reads blocks {list(init.config.feature_layers)}, the data "
+            f"holds blocks {list(feature_layers)}; make the data with --layers "
+            f"{','.join(map(str, init.config.feature_layers))}"
+        )
+    if state is not None:
+        d2t = state["d2t"]
+    elif init is not None:
+        d2t = init.d2t
+    else:
+        d2t = draft_vocabulary(train, cfg.draft_vocab, vocab)
     torch.manual_seed(cfg.seed)
     head = DraftHead(HeadConfig.for_target(model_cfg, len(d2t), feature_layers), d2t)
-    if state is None:
+    if state is None and init is not None:
+        head.load_state_dict({k: v.float() for k, v in init.state_dict().items()})
+    elif state is None:
         _init_from_target(head, loaded)
     opt = torch.optim.AdamW(
         head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
