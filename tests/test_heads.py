@@ -73,7 +73,7 @@ def test_the_data_holds_features_and_the_targets_top_k(smollm_f32, data: Path) -
     torch.testing.assert_close(got, ref, atol=0.02, rtol=0.01)  # float16 storage
     again = make_data(smollm_f32, data, DataConfig(samples=3, answer_tokens=32, user_tokens=16))
     assert load_data(again)[1][0]["tokens"].tolist() == ids  # resumed: nothing made twice
-    with pytest.raises(ConfigError, match="made differently"):
+    with pytest.raises(ConfigError, match=r"made differently.*other answer_tokens, feature_lay"):
         make_data(smollm_f32, data, DataConfig(samples=3, answer_tokens=8, feature_layers=(1,)))
 
 

@@ -138,9 +138,13 @@ def _check_meta(
     if path.exists():
         old = json.loads(path.read_text())
         if old != meta:
+            was, now = old.get("config", {}), meta["config"]
+            differ = sorted(k for k in {*was, *now} if was.get(k) != now.get(k))
+            hint = " (task prompts from another Python version)" if "tasks_corpus" in differ else ""
             raise ConfigError(
                 f"{folder} holds head data made differently ({old['target']}, layers "
-                f"{old['feature_layers']}); use another folder or the same settings"
+                f"{old['feature_layers']}; other {', '.join(differ) or 'target'}{hint}); use "
+                "another folder or the same settings"
             )
         return
     write_text(path, json.dumps(meta, indent=1))
