@@ -1,10 +1,11 @@
 """Training data for a draft head, made by the target itself.
 
 Each sample is a conversation the target writes: a user turn it samples from its own chat
-template's user prefix (Magpie-style: the template up to where a user's text would start), or a
-prompt from a file the user gives, then its own answer (greedy for even samples, sampled at
-temperature 0.7 for odd ones, so the head sees both). One forward over the whole conversation
-records, per token, what training needs and nothing more:
+template's user prefix (Magpie-style: the template up to where a user's text would start), a
+prompt from a file the user gives, or a task prompt (`task_prompts`), then its own answer
+(greedy for even samples, sampled at temperature 0.7 for odd ones, so the head sees both).
+One forward over the whole conversation records, per token, what training needs and nothing
+more (from `context_tokens` tokens before the answer on, when set):
 
 - the outputs of the target's feature blocks, concatenated [T, C·D], float16 (a few KB a token);
 - the target's `top_k` log-probabilities at every position (indices int32, values float16): the
