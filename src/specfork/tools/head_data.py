@@ -13,6 +13,8 @@ more (from `context_tokens` tokens before the answer on, when set):
 
 Samples go to shards of `SHARD` samples (`shard-00000.safetensors`, written atomically), so an
 interrupted run resumes at the first missing shard with the same seed: the same data.
+`load_data` keeps the shards memory-mapped and reads a sample's rows when training asks for
+them (`StoredSample`): data sets of many GB train without being copied into memory.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import hashlib
 import itertools
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHARD = 16  # samples per shard file
+SAMPLE_KEYS = ("tokens", "features", "top_index", "top_logp")  # what a sample stores
 USER_MARK = "\u2063specfork-user\u2063"  # a string no template contains, cut out of the render
 
 
@@ -255,10 +258,49 @@ def _write_shard(path: Path, records: list[dict[str, torch.Tensor]]) -> None:
     tmp.replace(path)
 
 
-def load_data(folder: Path) -> tuple[dict, list[dict[str, torch.Tensor]]]:
-    """The data set's meta and its samples (each: tokens, features, top_index, top_logp)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+class StoredSample(Mapping[str, torch.Tensor]):
+    """One stored conversation, read from its shard when asked: the shard stays memory-mapped
+    (safetensors), so a data set larger than memory trains without being copied onto the heap;
+    only the tokens are kept in memory. `sample[key]` is that tensor's rows of this sample."""
+
+    __slots__ = ("_end", "_shard", "_start", "_tokens")
+
+    def __init__(self, shard: Any, start: int, end: int) -> None:
+        self._shard, self._start, self._end = shard, start, end
+        self._tokens = shard.get_slice("tokens")[start:end]  # [T] int32
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key == "tokens":
+            return self._tokens
+        if key not in SAMPLE_KEYS:
+            raise KeyError(key)
+        return self._shard.get_slice(key)[self._start : self._end]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(SAMPLE_KEYS)
+
+    def __len__(self) -> int:
+        return len(SAMPLE_KEYS)
+
+    def rows(self, start: int, end: int) -> dict[str, torch.Tensor]:
+        """Rows [start, end) of every tensor (only those rows are read)."""
+        a, b = self._start + max(0, start), self._start + min(end, self._end - self._start)
+        return {k: self._shard.get_slice(k)[a:b] for k in SAMPLE_KEYS}
+
+
+def sample_rows(
+    sample: Mapping[str, torch.Tensor], start: int, end: int
+) -> dict[str, torch.Tensor]:
+    """Rows [start, end) of every tensor of a sample (a stored one reads only those rows)."""
+    if isinstance(sample, StoredSample):
+        return sample.rows(start, end)
+    return {k: v[start:end] for k, v in sample.items()}
+
+
+def load_data(folder: Path) -> tuple[dict, list[StoredSample]]:
+    """The data set's meta and its samples (each: tokens, features, top_index, top_logp), read
+    from the memory-mapped shards on demand."""
+    from safetensors import SafetensorError, safe_open
 
     meta_path = folder / "meta.json"
     if not meta_path.is_file():
@@ -267,14 +309,26 @@ def load_data(folder: Path) -> tuple[dict, list[dict[str, torch.Tensor]]]:
     samples = []
     for path in sorted(folder.glob("shard-*.safetensors")):
         try:
-            shard = load_file(str(path))
-        except (SafetensorError, OSError) as exc:
+            shard = safe_open(str(path), "pt")
+            _check_shard(shard)
+            off = shard.get_tensor("offsets").tolist()
+            samples += [StoredSample(shard, a, b) for a, b in itertools.pairwise(off)]
+        except (SafetensorError, OSError, ValueError) as exc:
             raise ConfigError(
                 f"the data shard {path} is corrupt ({exc}); delete it and resume"
             ) from exc
-        off = shard["offsets"].tolist()
-        for a, b in itertools.pairwise(off):
-            samples.append({k: v[a:b] for k, v in shard.items() if k != "offsets"})
     if not samples:
         raise ConfigError(f"{folder} holds no samples yet")
     return meta, samples
+
+
+def _check_shard(shard: Any) -> None:
+    """ValueError unless the shard holds every key with one row per token."""
+    stored = set(shard.keys())
+    missing = [k for k in (*SAMPLE_KEYS, "offsets") if k not in stored]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
+    rows = {k: shard.get_slice(k).get_shape()[0] for k in SAMPLE_KEYS}
+    total = int(shard.get_tensor("offsets")[-1])
+    if any(n != total for n in rows.values()):
+        raise ValueError(f"rows {rows} do not match the offsets' {total} tokens")

@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +39,11 @@ from specfork.atomic import write_text
 from specfork.errors import ConfigError
 from specfork.heads.model import DraftHead, HeadConfig, save_head
 from specfork.loading.loader import LoadedModel
+from specfork.tools.head_data import sample_rows
 
 log = logging.getLogger(__name__)
+
+Sample = Mapping[str, torch.Tensor]  # a stored conversation (`head_data.StoredSample`) or a dict
 
 PRECISIONS = ("auto", "float32", "bfloat16")
 
@@ -97,7 +100,7 @@ class StepStats:
     held_out_chain: float | None = None  # held-out tokens per forward of an `unroll` chain
 
 
-def draft_vocabulary(samples: list[dict[str, torch.Tensor]], size: int, vocab: int) -> torch.Tensor:
+def draft_vocabulary(samples: list[Sample], size: int, vocab: int) -> torch.Tensor:
     """The `size` most frequent tokens of the data (targets included), sorted: d2t [Vd]."""
     counts = torch.zeros(vocab, dtype=torch.long)
     for s in samples:
@@ -109,13 +112,13 @@ def draft_vocabulary(samples: list[dict[str, torch.Tensor]], size: int, vocab: i
 
 def train_head(
     loaded: LoadedModel,
-    samples: list[dict[str, torch.Tensor]],
+    samples: list[Sample],
     feature_layers: tuple[int, ...],
     folder: Path,
     cfg: TrainConfig,
     progress: Callable[[StepStats], None] | None = None,
     save_dtype: torch.dtype | None = None,
-    held_out: list[dict[str, torch.Tensor]] | None = None,
+    held_out: list[Sample] | None = None,
     init: DraftHead | None = None,
 ) -> DraftHead:
     """Train (or resume training) a head; saves it to `folder` (weights in `save_dtype`,
@@ -172,9 +175,7 @@ def train_head(
     return head
 
 
-def split_holdout(
-    samples: list[dict[str, torch.Tensor]], cfg: TrainConfig
-) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+def split_holdout(samples: list[Sample], cfg: TrainConfig) -> tuple[list[Sample], list[Sample]]:
     """(train, held out) of one data set: its last `cfg.holdout` share is held out (samples
     too short for an unroll are dropped)."""
     usable = _usable(samples, cfg)
@@ -182,7 +183,7 @@ def split_holdout(
     return usable[: len(usable) - held], usable[len(usable) - held :]
 
 
-def _usable(samples: list[dict[str, torch.Tensor]], cfg: TrainConfig) -> list[dict]:
+def _usable(samples: list[Sample], cfg: TrainConfig) -> list[Sample]:
     return [s for s in samples if len(s["tokens"]) >= cfg.unroll + 2]
 
 
@@ -194,8 +195,8 @@ class _Trainer:
         self,
         head: DraftHead,
         loaded: LoadedModel,
-        train: list[dict[str, torch.Tensor]],
-        held_out: list[dict[str, torch.Tensor]],
+        train: list[Sample],
+        held_out: list[Sample],
         opt: torch.optim.Optimizer,
         cfg: TrainConfig,
         folder: Path,
@@ -284,8 +285,9 @@ class _Trainer:
         write_text(self.folder / "training.json", json.dumps(self.history, indent=1))
 
 
-def _last(sample: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-    return {k: v[-length:] for k, v in sample.items()}
+def _last(sample: Mapping[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    n = len(sample["tokens"])
+    return sample_rows(sample, max(0, n - length), n)
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
@@ -297,11 +299,11 @@ def _lr(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * t)))
 
 
-def _window(samples: list[dict[str, torch.Tensor]], length: int, rng: random.Random) -> dict:
+def _window(samples: list[Sample], length: int, rng: random.Random) -> dict:
     s = samples[rng.randrange(len(samples))]
     n = len(s["tokens"])
     start = rng.randrange(0, max(1, n - length + 1))
-    return {k: v[start : start + length] for k, v in s.items()}
+    return sample_rows(s, start, start + length)
 
 
 def unrolled_loss(
