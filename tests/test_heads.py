@@ -143,6 +143,14 @@ def test_the_train_head_command_makes_data_trains_and_reports(tmp_path, capsys) 
     history = json.loads((out / "training.json").read_text())
     assert [h["step"] for h in history] == [3] and 1.0 <= history[0]["held_out_chain"] <= 3.0
     assert (out / "head.safetensors").exists() and (out / "data" / "meta.json").exists()
+    code, _, err = run_cli(capsys, [
+        "train-head", "--dtype", "float32", "--out", str(out), "--samples", "3",
+        "--answer-tokens", "8", "--steps", "7", "--window", "16", "--windows", "1",
+        "--unroll", "2", "--draft-vocab", "512", "--holdout", "0.4", "--checkpoint-every", "2",
+    ])  # fmt: skip
+    assert code == 0, err  # extended, measured at other intervals: resumed, not refused
+    history = json.loads((out / "training.json").read_text())
+    assert [h["step"] for h in history] == [3, 4, 6, 7]
 
 
 def test_task_data_keeps_the_answers_and_trains_beside_other_sets(tmp_path, data, capsys) -> None:

@@ -78,6 +78,14 @@ def add_parser(sub: Any) -> None:
     t.add_argument("--unroll", type=int, default=3, help="training-time-test steps (3)")
     t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (8192)")
     t.add_argument("--holdout", type=float, default=0.05, help="share held out (0.05)")
+    t.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=100,
+        metavar="N",
+        help="steps between checkpoints and held-out measurements (100); a measurement runs "
+        "the head over every held-out conversation, so large held-out shares want a larger N",
+    )
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument(
@@ -124,6 +132,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
         draft_vocab=args.draft_vocab,
         seed=args.seed,
         holdout=args.holdout,
+        checkpoint_every=args.checkpoint_every,
         weight_decay=args.weight_decay,
         precision=args.precision,
     )

@@ -432,7 +432,8 @@ def _load_checkpoint(path: Path, cfg: TrainConfig) -> dict | None:
         raise ConfigError(
             f"the checkpoint {path} is unreadable ({exc}); delete it to start over"
         ) from exc
-    free = ("steps", "precision")  # a run may be extended, or resumed in another precision
+    # a run may be extended, resumed in another precision or measured at other intervals
+    free = ("steps", "precision", "checkpoint_every")
     saved = {k: v for k, v in state.get("config", {}).items() if k not in free}
     wanted = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in free}
     if saved != wanted:
