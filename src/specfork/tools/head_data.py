@@ -310,8 +310,7 @@ def load_data(folder: Path) -> tuple[dict, list[StoredSample]]:
     for path in sorted(folder.glob("shard-*.safetensors")):
         try:
             shard = safe_open(str(path), "pt")
-            _check_shard(shard)
-            off = shard.get_tensor("offsets").tolist()
+            off = _checked_offsets(shard)
             samples += [StoredSample(shard, a, b) for a, b in itertools.pairwise(off)]
         except (SafetensorError, OSError, ValueError) as exc:
             raise ConfigError(
@@ -322,13 +321,15 @@ def load_data(folder: Path) -> tuple[dict, list[StoredSample]]:
     return meta, samples
 
 
-def _check_shard(shard: Any) -> None:
-    """ValueError unless the shard holds every key with one row per token."""
+def _checked_offsets(shard: Any) -> list[int]:
+    """The shard's sample offsets; ValueError unless it holds every key with one row per
+    token."""
     stored = set(shard.keys())
     missing = [k for k in (*SAMPLE_KEYS, "offsets") if k not in stored]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
+    off = shard.get_tensor("offsets").tolist()
     rows = {k: shard.get_slice(k).get_shape()[0] for k in SAMPLE_KEYS}
-    total = int(shard.get_tensor("offsets")[-1])
-    if any(n != total for n in rows.values()):
-        raise ValueError(f"rows {rows} do not match the offsets' {total} tokens")
+    if any(n != off[-1] for n in rows.values()):
+        raise ValueError(f"rows {rows} do not match the offsets' {off[-1]} tokens")
+    return off

@@ -285,7 +285,7 @@ class _Trainer:
         write_text(self.folder / "training.json", json.dumps(self.history, indent=1))
 
 
-def _last(sample: Mapping[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+def _last(sample: Sample, length: int) -> dict[str, torch.Tensor]:
     n = len(sample["tokens"])
     return sample_rows(sample, max(0, n - length), n)
 
