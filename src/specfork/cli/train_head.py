@@ -62,14 +62,19 @@ def add_parser(sub: Any) -> None:
         help="another data set made earlier for the same target and layers, trained on too "
         "(each keeps its own held-out share); repeatable",
     )
+    d.add_argument(
+        "--data-only",
+        action="store_true",
+        help="make (or complete) the data and stop; train on it later with --data or --extra-data",
+    )
     t = p.add_argument_group("training")
     t.add_argument(
         "--init",
-        type=Path,
         default=None,
         metavar="HEAD_DIR",
         help="start from this head's weights and draft vocabulary (fine-tune a head on other "
-        "data; a lower --lr suits); ignored when resuming",
+        "data; a lower --lr suits); 'packaged' = the head shipped for the model; ignored when "
+        "resuming",
     )
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--lr", type=float, default=1e-3)
@@ -138,12 +143,20 @@ def run(args: argparse.Namespace, err: Console) -> int:
     )
     with err.status(f"loading {escape(args.model)}…", spinner="dots"):
         loaded = load_model(args.model, progress=False, **model_options(args))
-    init = load_head(args.init, loaded.model.config) if args.init else None
+    init = load_head(_init_folder(args.init, loaded), loaded.model.config) if args.init else None
     data_dir = args.data or args.out / "data"
     t0 = time.perf_counter()
     with _bar(err) as bar:
         task = bar.add_task("making data", total=args.samples, info="")
         make_data(loaded, data_dir, data_cfg, lambda done, _: bar.update(task, completed=done))
+    if args.data_only:
+        err.print(
+            f"data in {data_dir} ({args.samples} samples, {time.perf_counter() - t0:.0f} s); "
+            f"train on it with --data {data_dir} or --extra-data {data_dir}",
+            markup=False,
+            highlight=False,
+        )
+        return 0
     meta, samples, held_out = _data_sets([data_dir, *args.extra_data], train_cfg)
     tokens = sum(len(s["tokens"]) for s in samples + held_out)
     t1 = time.perf_counter()
@@ -175,7 +188,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
         f"(saved: step {best['step']})"
     )  # fmt: skip
     err.print(
-        f"head in {args.out} ({head.size_bytes / 1e6:.1f} MB, draft vocabulary "
+        f"head in {args.out} ({(args.out / 'head.safetensors').stat().st_size / 1e6:.1f} MB "
+        f"in {args.save_dtype}, draft vocabulary "
         f"{head.config.draft_vocab}, layers {list(head.config.feature_layers)}); data "
         f"{len(samples) + len(held_out)} samples, {tokens} tokens, {t1 - t0:.0f} s; "
         f"training {trained:.0f} s"
@@ -196,6 +210,15 @@ def _bar(err: Console) -> Progress:
         console=err,
         transient=False,
     )
+
+
+def _init_folder(value: str, loaded: Any) -> Path:
+    """--init's head folder: a path, or the head shipped for the target ('packaged', unless a
+    folder of that name exists)."""
+    from specfork.heads.packaged import packaged_head
+
+    path = Path(value)
+    return packaged_head(loaded) if value == "packaged" and not path.exists() else path
 
 
 def _layers(text: str | None) -> tuple[int, ...]:

@@ -211,15 +211,14 @@ def save_head(head: DraftHead, folder: Path, dtype: torch.dtype | None = None) -
     own; d2t) into `folder`."""
     from safetensors.torch import save_file
 
-    from specfork.atomic import write_text
+    from specfork.atomic import atomic_file, write_text
 
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    tmp = folder / "head.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    tmp.replace(folder / "head.safetensors")
+    with atomic_file(folder / "head.safetensors") as tmp:  # readable by all, like the json
+        save_file(tensors, str(tmp))
     write_text(folder / "head.json", json.dumps(head.config.to_dict(), indent=1))
 
 

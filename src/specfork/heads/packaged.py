@@ -26,15 +26,17 @@ def shipped(root: Path = PACKAGED) -> list[str]:
     return sorted(p.name for p in root.glob("*") if (p / "head.json").is_file())
 
 
-def packaged_head(target: LoadedModel, root: Path = PACKAGED) -> Path:
-    """The folder of the head shipped (in `root`) for `target`; ConfigError if none."""
-    where = str(Path(target.path).resolve()).lower()
+def packaged_head(target: LoadedModel | Path, root: Path = PACKAGED) -> Path:
+    """The folder of the head shipped (in `root`) for `target` (a loaded model or its file or
+    folder); ConfigError if none."""
+    path = Path(target) if isinstance(target, Path) else Path(target.path)
+    where = str(path.resolve()).lower()
     names = shipped(root)
     for name in sorted(names, key=len, reverse=True):  # the most specific name first
         if name.lower() in where:
             return root / name
     raise ConfigError(
-        f"no draft head ships for {Path(target.path).name} (shipped for: "
+        f"no draft head ships for {path.name} (shipped for: "
         f"{', '.join(names) or 'none yet'}); train one with `specfork train-head -m MODEL "
         "--out DIR` and use --drafter head:DIR"
     )
