@@ -13,6 +13,7 @@ import pytest
 
 import specfork
 from cli_run import run_cli
+from specfork.heads.packaged import shipped
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = sorted(p.name for p in (ROOT / "src" / "specfork" / "kernels" / "csrc").iterdir()
@@ -65,3 +66,7 @@ def test_wheel_and_sdist(tmp_path: Path) -> None:
     for name in ("README.md", "CHANGELOG.md", "LICENSE", "pyproject.toml", "docs/strategies.md"):
         assert name in members, name
     assert {f"src/specfork/kernels/csrc/{name}" for name in CSRC} <= members
+    heads = {f"specfork/heads/packaged_heads/{model}/{name}"
+             for model in shipped() for name in ("head.json", "head.safetensors")}  # fmt: skip
+    assert heads and heads <= names  # the draft heads ship in the wheel
+    assert {f"src/{name}" for name in heads} <= members  # and in the sdist
