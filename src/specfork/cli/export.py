@@ -83,11 +83,11 @@ def run_head(args: argparse.Namespace, err: Console) -> int:
 
     head, target = args.head, args.model
     if str(head) == "packaged" and not head.exists():  # the head shipped for the target
-        from specfork.heads.packaged import packaged_head
+        from specfork.heads.packaged import head_folder
         from specfork.loading.registry import DEFAULT_MODEL, resolve_model
 
         target = target or DEFAULT_MODEL
-        head = packaged_head(resolve_model(target, progress=False))
+        head = head_folder(head, resolve_model(target, progress=False))
     spec = HeadExport(
         head=head,
         out=args.out,

@@ -113,6 +113,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     import torch
 
     from specfork.heads.model import load_head
+    from specfork.heads.packaged import head_folder
     from specfork.loading.loader import load_model
     from specfork.tools.head_data import DataConfig, make_data
     from specfork.tools.head_train import TrainConfig, train_head
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
     )
     with err.status(f"loading {escape(args.model)}…", spinner="dots"):
         loaded = load_model(args.model, progress=False, **model_options(args))
-    init = load_head(_init_folder(args.init, loaded), loaded.model.config) if args.init else None
+    init = load_head(head_folder(args.init, loaded), loaded.model.config) if args.init else None
     data_dir = args.data or args.out / "data"
     t0 = time.perf_counter()
     with _bar(err) as bar:
@@ -210,15 +211,6 @@ def _bar(err: Console) -> Progress:
         console=err,
         transient=False,
     )
-
-
-def _init_folder(value: str, loaded: Any) -> Path:
-    """--init's head folder: a path, or the head shipped for the target ('packaged', unless a
-    folder of that name exists)."""
-    from specfork.heads.packaged import packaged_head
-
-    path = Path(value)
-    return packaged_head(loaded) if value == "packaged" and not path.exists() else path
 
 
 def _layers(text: str | None) -> tuple[int, ...]:

@@ -40,3 +40,10 @@ def packaged_head(target: LoadedModel | Path, root: Path = PACKAGED) -> Path:
         f"{', '.join(names) or 'none yet'}); train one with `specfork train-head -m MODEL "
         "--out DIR` and use --drafter head:DIR"
     )
+
+
+def head_folder(value: str | Path, target: LoadedModel | Path) -> Path:
+    """A head folder named on the command line: a path, or `packaged` (unless a folder of that
+    name exists) for the head shipped for `target`."""
+    path = Path(value)
+    return packaged_head(target) if str(value) == "packaged" and not path.exists() else path
