@@ -23,7 +23,7 @@ from specfork.drafters.head import HeadDrafter
 from specfork.drafters.meter import CostMeter
 from specfork.engine import Generator
 from specfork.errors import ConfigError
-from specfork.heads.fast import LINEARS, on_kernels
+from specfork.heads.fast import on_kernels
 from specfork.heads.model import load_head, save_head
 from specfork.heads.packaged import packaged_head
 from specfork.loading.loader import LoadedModel
@@ -322,21 +322,50 @@ def test_dspark_stops_the_head_chain_by_its_own_confidence(smollm_f32, head_dir,
 def test_a_head_on_the_kernels_computes_what_the_float_head_does(
     smollm_f32, head_dir, kind, tolerance
 ) -> None:
+    """fuse, a causal catch-up of several rows, a tree step whose rows see different slots,
+    and the logits: the kernel head within the packing's rounding of the float head, and the
+    keys it caches likewise."""
     kernels = getattr(smollm_f32.model, "kernels", None)
     if kernels is None:
         pytest.skip("the kernels are not available here")
     head = load_head(head_dir, smollm_f32.model.config)
     fast = on_kernels(head, kernels, kind)
-    torch.manual_seed(0)
-    for name in LINEARS:
-        layer = getattr(head, name)
-        x = torch.randn(3, 5, layer.in_features)  # [B, T, k]
-        want, got = layer(x), getattr(fast, name)(x)
+    c = head.config
+
+    def rel(want: torch.Tensor, got: torch.Tensor) -> float:
         assert got.shape == want.shape
-        assert float((got - want).norm() / want.norm()) < tolerance, name
-    features = torch.randn(7, len(head.config.feature_layers) * head.config.hidden_size)
-    want, got = head.logits(head.fuse(features)), fast.logits(fast.fuse(features))
-    assert float((got - want).norm() / want.norm()) < 2 * tolerance
+        return float((got - want).norm() / want.norm())
+
+    def cache() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(1, c.num_kv_heads, 16, c.head_dim), torch.zeros(
+            1, c.num_kv_heads, 16, c.head_dim
+        )
+
+    torch.manual_seed(0)
+    features = torch.randn(6, len(c.feature_layers) * c.hidden_size)  # [T, C·D]
+    feats = head.fuse(features)
+    assert rel(feats, fast.fuse(features)) < tolerance
+    embeds = smollm_f32.model.embed_rows(torch.tensor([5, 17, 300, 9, 41, 1000]))  # [T, D]
+    want_cache, got_cache = cache(), cache()
+    want = head.rows(embeds, feats, torch.arange(6), want_cache, 0, None)
+    got = fast.rows(embeds, feats, torch.arange(6), got_cache, 0, None)
+    assert rel(want, got) < tolerance
+    assert rel(want_cache[0][:, :, :6], got_cache[0][:, :, :6]) < tolerance
+    assert rel(want_cache[1][:, :, :6], got_cache[1][:, :, :6]) < tolerance
+    # a tree: node 0 (depth 1) and its two children; every row sees the 4 committed slots
+    mask = torch.zeros(3, 9, dtype=torch.bool)  # [T, start + T]
+    mask[:, :4] = True
+    mask[0, 6], mask[1, [6, 7]], mask[2, [6, 8]] = True, True, True
+    positions = torch.tensor([4, 5, 5])
+    g = want[:3]  # the rows' features: the head's own outputs
+    want = head.rows(embeds[:3], g, positions, want_cache, 6, mask)
+    got = fast.rows(embeds[:3], g, positions, got_cache, 6, mask)
+    assert rel(want, got) < tolerance
+    assert rel(head.logits(want), fast.logits(want)) < 2 * tolerance
+    with pytest.raises(ValueError, match="mask"):
+        fast.rows(embeds[:3], g, positions, got_cache, 6, mask[:, :8])
+    with pytest.raises(ValueError, match="fit"):
+        fast.rows(embeds, feats, torch.arange(6), got_cache, 12, None)
     with pytest.raises(ValueError, match="kind"):
         on_kernels(head, kernels, "q3")
 

@@ -19,6 +19,7 @@ import torch
 from specfork.config import SamplingParams
 from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback, StepConfidence
 from specfork.drafters.meter import CostMeter
+from specfork.heads.fast import KernelHead
 from specfork.heads.model import DraftHead
 from specfork.models.base import DecoderLM
 from specfork.sampling import probabilities, sample
@@ -55,7 +56,7 @@ class HeadDrafter:
 
     def __init__(
         self,
-        head: DraftHead,
+        head: DraftHead | KernelHead,
         model: DecoderLM,
         name: str = "head",
         cost: float | None = None,
@@ -79,9 +80,9 @@ class HeadDrafter:
         self.cached = 0  # positions in the head's cache (teacher forced)
 
     @staticmethod
-    def weights_cost(head: DraftHead, model: DecoderLM) -> float:
+    def weights_cost(head: DraftHead | KernelHead, model: DecoderLM) -> float:
         """Target forwards one head step costs, by weights multiplied."""
-        return sum(p.numel() for p in head.parameters()) / model.step_weights()
+        return head.weight_count / model.step_weights()
 
     @property
     def cost(self) -> float:
@@ -220,19 +221,19 @@ class HeadDrafter:
         last = len(history) - 2  # the last position the target ran (history[-1] is the root)
         start = min(self.cached, max(last, 0))
         ids = torch.tensor(history[start + 1 : last + 2])  # the token after each position
-        embeds = self.model.embed_rows(ids)[None].to(self.head.dtype)  # [1, T, D]
-        feats = self.head.fuse(self.features[start : last + 1])[None]  # [1, T, D]
+        embeds = self.model.embed_rows(ids).to(self.head.dtype)  # [T, D]
+        feats = self.head.fuse(self.features[start : last + 1])  # [T, D]
         positions = torch.arange(start, last + 1)  # [T]
-        g = self._rows(embeds, feats, positions, start, None)  # [1, T, D]
+        g = self._rows(embeds, feats, positions, start, None)  # [T, D]
         self.cached = last + 1
-        return g[0, -1]
+        return g[-1]
 
     def _expand(self, grown: _Grown, nodes: list[int]) -> torch.Tensor:
         """Run the rows of `nodes` (fed their parents' outputs); their draft logits [N, Vd]."""
         parents = [grown.parent[n] for n in nodes]
-        feats = torch.stack([grown.root if p < 0 else grown.outputs[p] for p in parents])[None]
+        feats = torch.stack([grown.root if p < 0 else grown.outputs[p] for p in parents])  # [N, D]
         embeds = self.model.embed_rows(torch.tensor([grown.token[n] for n in nodes]))
-        embeds = embeds[None].to(self.head.dtype)  # [1, N, D]
+        embeds = embeds.to(self.head.dtype)  # [N, D]
         prefix, start = grown.prefix, self.cached
         positions = torch.tensor([prefix + grown.depth[n] - 1 for n in nodes])  # [N]
         grown.slot.update({n: start + i for i, n in enumerate(nodes)})
@@ -241,7 +242,7 @@ class HeadDrafter:
         for row, n in enumerate(nodes):
             for a in grown.ancestors(n):  # itself and its drafted ancestors
                 mask[row, grown.slot[a]] = True
-        g = self._rows(embeds, feats, positions, start, mask)[0]  # [N, D]
+        g = self._rows(embeds, feats, positions, start, mask)  # [N, D]
         self.cached = start + len(nodes)
         for row, n in enumerate(nodes):
             grown.outputs[n] = g[row]
@@ -255,18 +256,10 @@ class HeadDrafter:
         start: int,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Rows written to cache slots [start, start + T); outputs g [1, T, D]. `mask` [T, S]
-        (None: causal over the cache)."""
-        head = self.head
-        q, k, v = head.project(embeds, feats, positions)
-        t = q.shape[2]
-        self._ensure_slots(start + t)
-        self.keys[:, :, start : start + t] = k
-        self.values[:, :, start : start + t] = v
-        keys, values = self.keys[:, :, : start + t], self.values[:, :, : start + t]
-        if mask is None:
-            mask = torch.ones(t, start + t, dtype=torch.bool).tril(start)  # [T, S] causal
-        return head.finish(feats, head.attend(q, keys, values, mask))
+        """Rows (embeds, feats [T, D]) written to cache slots [start, start + T); outputs
+        g [T, D]. `mask` [T, S] (None: causal over the cache)."""
+        self._ensure_slots(start + len(positions))
+        return self.head.rows(embeds, feats, positions, (self.keys, self.values), start, mask)
 
     def _ensure_slots(self, length: int) -> None:
         size = self.keys.shape[2]

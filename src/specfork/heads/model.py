@@ -199,11 +199,34 @@ class DraftHead(nn.Module):
         """Draft-vocabulary logits [..., Vd] (float32) of outputs g [..., D]."""
         return self.lm_head(self.norm(g)).float()
 
+    def rows(
+        self,
+        embeds: torch.Tensor,
+        feats: torch.Tensor,
+        positions: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        start: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One drafting step over rows (embeds, feats [T, D] at positions [T]): their keys and
+        values go to slots [start, start + T) of `cache` (keys, values [1, Hkv, S, hd]), each
+        row attends to the slots its `mask` [T, start + T] row allows (None: all before
+        `start`, the new rows causally); returns the outputs g [T, D]."""
+        q, k, v = self.project(embeds[None], feats[None], positions)
+        t = q.shape[2]
+        keys, values = cache
+        keys[:, :, start : start + t] = k
+        values[:, :, start : start + t] = v
+        if mask is None:
+            mask = torch.ones(t, start + t, dtype=torch.bool).tril(start)  # [T, S] causal
+        seen = (keys[:, :, : start + t].to(q.dtype), values[:, :, : start + t].to(q.dtype))
+        attended = self.attend(q, *seen, mask)
+        return self.finish(feats[None], attended)[0]
+
     @property
-    def size_bytes(self) -> int:
-        """Bytes of the weights (packed ones included)."""
-        packed = sum(m.packed.nbytes for m in self.modules() if hasattr(m, "packed"))
-        return packed + sum(p.numel() * p.element_size() for p in self.parameters())
+    def weight_count(self) -> int:
+        """Weights one step multiplies (every parameter)."""
+        return sum(p.numel() for p in self.parameters())
 
 
 def save_head(head: DraftHead, folder: Path, dtype: torch.dtype | None = None) -> None:

@@ -17,7 +17,9 @@
 #include "attention.h"
 #include "common.h"
 #include "gemm.h"
-#include "vecmath.h"
+#include "head.h"
+#include "packed.h"
+#include "rowops.h"
 
 namespace sf {
 
@@ -26,56 +28,6 @@ namespace {
 // Element-wise steps (norms, rotary embedding, activation, residual) split their rows over the
 // threads from this many rows (prompt chunks, wide verifications); fewer run on the caller.
 constexpr int64_t kRowsParallel = 16;
-
-void check(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument(what);
-}
-
-// A packed weight and the tensors that own its memory.
-struct Packed {
-  PackedLinear w;
-  torch::Tensor data, bias;
-  Packed(int64_t kind, int64_t n, int64_t k, torch::Tensor data_, std::optional<torch::Tensor> bias_)
-      : data(std::move(data_)) {
-    check(kind >= 0 && kind <= 3, "unknown weight kind");
-    check(k % kBlock == 0, "packed weights need an input size that is a multiple of 32");
-    w.kind = static_cast<Kind>(kind);
-    w.n = n;
-    w.k = k;
-    const int64_t tiles = (n + kTile - 1) / kTile;
-    check(data.dtype() == torch::kUInt8 && data.is_contiguous() && data.device().is_cpu(),
-          "packed data must be a contiguous uint8 CPU tensor");
-    check(data.numel() == tiles * (k / kBlock) * block_bytes(w.kind), "packed data has the wrong size");
-    w.data = data.data_ptr<uint8_t>();
-    if (bias_.has_value()) {
-      bias = bias_->to(torch::kFloat32).contiguous();
-      check(bias.numel() == n, "bias size does not match the weight");
-      w.bias = bias.data_ptr<float>();
-    }
-  }
-};
-using PackedPtr = std::shared_ptr<Packed>;
-
-// Several packed weights reading the same input, outputs side by side (q|k|v, gate|up).
-struct Fused {
-  std::vector<PackedPtr> parts;
-  int64_t n = 0;
-  void run(Activations& a, float* y, int64_t ldy) const {
-    std::vector<const PackedLinear*> ws;
-    for (const auto& p : parts) ws.push_back(&p->w);
-    linear_fused(ws, a, y, ldy);
-  }
-};
-
-Fused fuse(const std::vector<PackedPtr>& parts, int64_t k) {
-  Fused f{parts, 0};
-  check(!parts.empty(), "a linear layer needs at least one weight");
-  for (const auto& p : parts) {
-    check(p->w.k == k, "weight input size does not match the layer");
-    f.n += p->w.n;
-  }
-  return f;
-}
 
 struct Norm {
   torch::Tensor w;  // float32, the multiplier itself (Gemma's 1 + w already added)
@@ -87,88 +39,6 @@ struct Layer {
   Norm attn_norm, post_attn_norm, mlp_norm, post_mlp_norm, q_norm, k_norm;
   bool sliding = false;
 };
-
-#if SF_X86
-SF_AVX512 void rmsnorm_avx512(const float* x, const float* w, int64_t n, float eps, float* y) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
-  }
-  float ss = _mm512_reduce_add_ps(acc);
-  for (; i < n; ++i) ss = std::fma(x[i], x[i], ss);
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  const __m512 s = _mm512_set1_ps(inv);
-  for (i = 0; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), s), _mm512_loadu_ps(w + i)));
-  for (; i < n; ++i) y[i] = x[i] * inv * w[i];
-}
-
-SF_AVX2 void rmsnorm_avx2(const float* x, const float* w, int64_t n, float eps, float* y) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  float ss = hsum256(acc);
-  for (; i < n; ++i) ss = std::fma(x[i], x[i], ss);
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  const __m256 s = _mm256_set1_ps(inv);
-  for (i = 0; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), s), _mm256_loadu_ps(w + i)));
-  for (; i < n; ++i) y[i] = x[i] * inv * w[i];
-}
-
-SF_AVX2 void act_avx2(const float* gate, const float* up, int64_t n, bool gelu, float* y) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 a = gelu ? gelu_tanh256(g) : silu256(g);
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(a, _mm256_loadu_ps(up + i)));
-  }
-  for (; i < n; ++i) y[i] = (gelu ? gelu_tanh1(gate[i]) : silu1(gate[i])) * up[i];
-}
-
-#endif  // SF_X86
-
-void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* y) {
-#if SF_X86
-  if (isa_level() == kAvx512) return rmsnorm_avx512(x, w, n, eps, y);
-  if (isa_level() == kAvx2) return rmsnorm_avx2(x, w, n, eps, y);
-#endif
-  float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) ss = std::fma(x[i], x[i], ss);
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv * w[i];
-}
-
-#if SF_X86
-SF_AVX512 void act_avx512(const float* gate, const float* up, int64_t n, bool gelu, float* y) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 g = _mm512_loadu_ps(gate + i);
-    const __m512 a = gelu ? gelu_tanh512(g) : silu512(g);
-    _mm512_storeu_ps(y + i, _mm512_mul_ps(a, _mm512_loadu_ps(up + i)));
-  }
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
-    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
-    const __m512 a = gelu ? gelu_tanh512(g) : silu512(g);
-    _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, up + i)));
-  }
-}
-
-#endif  // SF_X86
-
-void activation(const float* gate, const float* up, int64_t n, bool gelu, float* y) {
-#if SF_X86
-  if (isa_level() == kAvx512) return act_avx512(gate, up, n, gelu, y);
-  if (isa_level() == kAvx2) return act_avx2(gate, up, n, gelu, y);
-#endif
-  for (int64_t i = 0; i < n; ++i) y[i] = (gelu ? gelu_tanh1(gate[i]) : silu1(gate[i])) * up[i];
-}
 
 }  // namespace
 
@@ -415,16 +285,7 @@ class FastModel {
 
   void rope_tables(const Rope& rope, const int64_t* pos, int64_t T, std::vector<float>& cos_t,
                    std::vector<float>& sin_t) const {
-    const int64_t half = head_dim_ / 2;
-    const float* inv = rope.inv.data_ptr<float>();
-    cos_t.resize(T * half);
-    sin_t.resize(T * half);
-    for (int64_t r = 0; r < T; ++r)
-      for (int64_t i = 0; i < half; ++i) {
-        const float f = static_cast<float>(pos[r]) * inv[i];
-        cos_t[r * half + i] = std::cos(f) * rope.scaling;
-        sin_t[r * half + i] = std::sin(f) * rope.scaling;
-      }
+    sf::rope_tables(rope.inv.data_ptr<float>(), rope.scaling, pos, T, head_dim_ / 2, cos_t, sin_t);
   }
 
   // Row r sees every filled slot (within the window) and the new slots its mask row allows.
@@ -444,22 +305,6 @@ class FastModel {
       v.off[r + 1] = static_cast<int64_t>(v.idx.size());
     }
     return v;
-  }
-
-  // Rotates rows r0..r1-1 of x (nheads heads of head_dim each).
-  void rope_rows(float* x, int64_t ld, int64_t r0, int64_t r1, int64_t nheads,
-                 const std::vector<float>& cos_t, const std::vector<float>& sin_t) const {
-    const int64_t half = head_dim_ / 2;
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t h = 0; h < nheads; ++h) {
-        float* v = x + r * ld + h * head_dim_;
-        for (int64_t i = 0; i < half; ++i) {
-          const float c = cos_t[r * half + i], s = sin_t[r * half + i];
-          const float a = v[i], b = v[i + half];
-          v[i] = a * c - b * s;
-          v[i + half] = b * c + a * s;
-        }
-      }
   }
 
   void block(const Layer& l, int64_t layer, float* h, int64_t T, const std::vector<Seg>& segs,
@@ -488,8 +333,8 @@ class FastModel {
           for (int64_t hh = 0; hh < heads_kv_; ++hh)
             rmsnorm(k + r * ld + hh * head_dim_, l.k_norm.w.data_ptr<float>(), head_dim_, eps_, k + r * ld + hh * head_dim_);
         }
-      rope_rows(q, ld, r0, r1, heads_, cos_t, sin_t);
-      rope_rows(k, ld, r0, r1, heads_kv_, cos_t, sin_t);
+      rope_rows(q, ld, r0, r1, heads_, head_dim_, cos_t, sin_t);
+      rope_rows(k, ld, r0, r1, heads_kv_, head_dim_, cos_t, sin_t);
     });
     const int64_t per_layer = heads_kv_ * head_dim_;  // times slots, per segment
     std::vector<AttnPart> parts;  // each sequence's rows attend to its own cache
@@ -592,6 +437,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("logits", &sf::FastModel::logits, py::call_guard<py::gil_scoped_release>())
       .def("embed_tokens", &sf::FastModel::embed_tokens)
       .def_property_readonly("num_layers", &sf::FastModel::num_layers);
+  sf::bind_head(m);
   m.def("packed_linear", &sf::packed_linear, py::call_guard<py::gil_scoped_release>());
   m.def("unpack", &sf::unpack);
   m.def("isa", []() { return std::string(sf::isa_name()); });
