@@ -77,6 +77,32 @@ def test_tree_gate_keeps_the_best_nodes_while_they_pay() -> None:
     assert free.keep(scores, [1, 1, 2, 2]) == [True, True, True, True]
 
 
+def test_a_scored_chain_is_trimmed_where_its_calibrated_scores_stop_paying() -> None:
+    """A costly drafter's chain carries its own cumulative q: the gate learns how often tokens
+    of each score are accepted and verifies only the head of the chain that pays."""
+    gate = GoodputGate(CostCurve((1, 2, 3, 4, 5), (1.0, 1.2, 1.4, 1.6, 1.8)))
+    scores = [0.9, 0.8, 0.1, 0.05]  # confident, confident, then unsure
+    assert gate.trim_scored(scores) == 2  # priors min(0.5, score): the unsure tail does not pay
+    for _ in range(20):  # the confident tokens are always accepted, the unsure never
+        gate.observe_scored(scores, [1, 2, 3, 4], [1, 2, 7])
+    assert gate.trim_scored(scores) == 2
+    wrong = GoodputGate(gate.cost)
+    for _ in range(20):  # a drafter whose confident tokens are always rejected
+        wrong.observe_scored(scores, [1, 2, 3, 4], [5])
+    assert wrong.trim_scored(scores) == 0  # nothing pays: a plain step
+    fresh = GoodputGate(FLAT)
+    assert fresh.trim_scored(scores) == 4  # free rows: verify everything drafted
+
+
+def test_scored_chains_teach_only_what_the_emitted_tokens_show() -> None:
+    gate = GoodputGate(FLAT)
+    gate.observe_scored([0.9, 0.6, 0.3], [1, 2, 3], [1, 9])  # broke at 2: node 3 missed too
+    assert sum(gate.scored.trials.values()) == 3 and sum(gate.scored.hits.values()) == 1
+    gate = GoodputGate(FLAT)
+    gate.observe_scored([0.9, 0.6, 0.3], [1, 2, 3], [1, 2])  # node 3 never judged
+    assert sum(gate.scored.trials.values()) == 2 and sum(gate.scored.hits.values()) == 2
+
+
 class WrongDrafter:
     """Always proposes k copies of a token the model does not emit next (never accepted)."""
 

@@ -179,9 +179,10 @@ class HeadDrafter:
         node = -1
         for i in range(depth):
             q = None if sampling.greedy else probabilities(self._to_target(logits)[0], sampling)
-            probs = q if q is not None else logits[0].softmax(-1)  # [V] or [Vd]
-            if confidence is not None and not confidence.allows(probs):
-                break
+            if confidence is not None:
+                probs = q if q is not None else logits[0].softmax(-1)  # [V] or [Vd]
+                if not confidence.allows(probs):
+                    break
             if q is None:
                 node = self._add(grown, [node], logits, 1)[0]
             else:

@@ -156,6 +156,8 @@ def gated(req: Request, proposed: Draft) -> Draft:
         return proposed
     if isinstance(gate, GoodputGate) and drafter.cost == 0:
         return proposed.head(gate.length(proposed.source, len(proposed)))
+    if isinstance(gate, GoodputGate) and proposed.is_chain and proposed.scores is not None:
+        return proposed.head(gate.trim_scored(proposed.scores.tolist()))  # a costly drafter's
     if isinstance(gate, TreeGate) and proposed.scores is not None:
         keep = gate.keep(proposed.scores.tolist(), depths(proposed.tree).tolist())
         return _pruned(proposed, torch.tensor(keep, dtype=torch.bool))
@@ -271,6 +273,9 @@ def observe_gate(
     """A chain gate learns per source and position; a tree gate per node kind (the verified
     nodes' depths given)."""
     if isinstance(req.gate, GoodputGate) and len(proposed):
-        req.gate.observe(proposed.source, proposed.tokens.tolist(), verdict.tokens)
+        drafted = proposed.tokens.tolist()
+        req.gate.observe(proposed.source, drafted, verdict.tokens)
+        if proposed.is_chain and proposed.scores is not None and req.drafter.cost > 0:
+            req.gate.observe_scored(proposed.scores.tolist(), drafted, verdict.tokens)
     elif isinstance(req.gate, TreeGate) and draft.scores is not None and len(draft):
         req.gate.observe(draft.scores.tolist(), node_depths, verdict.path)

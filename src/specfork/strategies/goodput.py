@@ -117,6 +117,7 @@ class GoodputGate:
     def __init__(self, cost: CostCurve) -> None:
         self.cost = cost
         self.stats = AcceptanceStats()
+        self.scored = TreeGate(cost)  # P(accepted) by prior score, for drafts that carry one
         self._idle: dict[str, int] = {}  # rounds since a costly source last drafted
 
     def length(self, source: str, drafted: int, draft_cost: float = 0.0) -> int:
@@ -136,6 +137,24 @@ class GoodputGate:
     def observe(self, source: str, drafted: list[int], emitted: list[int]) -> None:
         if drafted:
             self.stats.observe(source, drafted, emitted)
+
+    def trim_scored(self, scores: list[float]) -> int:
+        """How many leading tokens of an already drafted chain to verify, judged by the
+        drafter's own prior scores (non-increasing: a trained head's cumulative q) as
+        calibrated in this request: the drafting is paid, only verification rows remain."""
+        return sum(self.scored.keep(scores, list(range(1, len(scores) + 1))))
+
+    def observe_scored(self, scores: list[float], drafted: list[int], emitted: list[int]) -> None:
+        """Learn the calibration from a scored chain (before trimming) and the emitted tokens:
+        node i was on the accepted path iff it and the ones before it equal the emitted ones.
+        Nodes past the emitted tokens are known only when the path broke before them."""
+        matched = 0
+        while matched < min(len(drafted), len(emitted)) and drafted[matched] == emitted[matched]:
+            matched += 1
+        seen = min(len(drafted), len(emitted))
+        known = len(drafted) if matched < seen else seen  # a mismatch: every later node missed
+        depths = list(range(1, known + 1))
+        self.scored.observe(scores[:known], depths, list(range(matched)))
 
 
 def _node_key(score: float, depth: int) -> tuple[int, int]:
