@@ -6,10 +6,10 @@
 #      on them from scratch (2,600 steps, 60 minutes): the first shipped head, in OUT_FOLDER;
 #   2. 384 more task conversations and 2,256 self-written ones (Magpie-style: the
 #      target writes the user turns too; ~0.8 a second), then the first head fine-tuned on
-#      both sets (~1.3 s a step): the head shipped now, in OUT_FOLDER/second. The shipped
-#      head is this run's step-1,800 checkpoint (45 minutes; the session ran out): it was
-#      stopped there and finished with the same command and --steps 1800. The full schedule
-#      below trains the remaining 600 steps too.
+#      both sets (~1.3 s a step, ~55 minutes): the head shipped now, in OUT_FOLDER/second
+#      (it was trained in two sittings: stopped at step 1,800, then resumed from that
+#      checkpoint with this same command, which restores the optimiser and random states:
+#      an uninterrupted run follows the same schedule).
 #
 #   benchmarks/packaged_head.sh OUT_FOLDER
 #

@@ -296,6 +296,29 @@ def test_a_metered_head_reports_what_its_proposals_cost(smollm_f32, head_dir) ->
     assert metered.cost == pytest.approx((0.5 * 0.1 + 0.5 * 0.3) / 0.1)  # the moving average
 
 
+class _SlowCatchUp(HeadDrafter):
+    """A head whose teacher-forced catch-up takes 5 s of its `now` clock (drafting none)."""
+
+    now = 0.0
+
+    def _catch_up(self, history: list[int]) -> torch.Tensor:
+        self.now += 5.0
+        return super()._catch_up(history)
+
+
+def test_the_meter_leaves_out_the_heads_catch_up(smollm_f32, head_dir) -> None:
+    """The catch-up over committed positions is paid once per position whenever the head next
+    drafts: a price of having the head, not of this round's tokens (counting it made a head
+    the gate had turned off look several times dearer, so it stayed off)."""
+    session, history = _session(smollm_f32, head_dir)
+    meter = CostMeter(target_seconds=0.1, floor=0.05)
+    drafter = _SlowCatchUp(session.head, smollm_f32.model, meter=meter)
+    meter.clock = lambda: drafter.now
+    drafter.features, drafter.known = session.features, session.known
+    assert len(drafter.propose(history, DraftShape(3), SamplingParams(), make_generator(0))) == 3
+    assert drafter.now == 5.0 and meter.per_token == 0.0 and drafter.cost == 0.05
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)])
 def test_dspark_stops_the_head_chain_by_its_own_confidence(smollm_f32, head_dir, sampling):
     """DSpark's rule on the head's own top-1 and margin: a chain stops before the first token

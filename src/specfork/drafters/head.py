@@ -127,9 +127,9 @@ class HeadDrafter:
         depth = shape.depth if shape.model_depth is None else min(shape.depth, shape.model_depth)
         if depth < 1 or self.known < len(history) - 1:
             return EMPTY_DRAFT  # the target's features of the history are not all here
-        start = self.meter.clock() if self.meter is not None else 0.0
         with torch.inference_mode():
             grown = _Grown(self._catch_up(history), self.cached)
+            start = self.meter.clock() if self.meter is not None else 0.0  # drafting only
             try:
                 q = self._grow(grown, shape, depth, sampling, rng)
             finally:

@@ -7,6 +7,12 @@ dominate: a head step estimated at 0.08 target forwards measured about 0.2 on th
 `CostMeter` keeps an exponential moving average of the seconds a proposal takes per drafted
 token and divides it by the seconds of one target decoding step (`one_row_seconds`, measured
 when the drafter is built), never going below the static estimate.
+
+A head's teacher-forced catch-up over the committed positions it has not run yet is not
+counted: every position is caught up once, whenever the head drafts next, so it is a cost per
+emitted token of having the head at all, not of drafting this round. Counting it made the
+gate's price of a token after idle rounds several times the price of a token in steady
+drafting, so a head the gate had turned off stayed off.
 """
 
 from __future__ import annotations

@@ -36,22 +36,34 @@ class CostCurve:
         return self.cost[-1] + slope * (r - self.rows[-1])
 
     @classmethod
-    def measure(cls, model: object, repeats: int = 3) -> CostCurve:
-        """Time forwards (with the LM head) of 1-32 rows on a scratch cache; medians."""
-        times = []
-        cache = model.new_cache(ROWS[-1] + 1)  # type: ignore[attr-defined]
+    def measure(cls, model: object, repeats: int = 7, context: int = 192) -> CostCurve:
+        """Time forwards (with the LM head) of 1-32 rows after `context` cached tokens, as a
+        decoding step sees them; the sizes interleaved in every repeat (so that a slow spell
+        of the machine or a warming cache hits all sizes alike), medians after a warm-up."""
+        vocab = int(model.config.vocab_size)  # type: ignore[attr-defined]
+        device = model.device  # type: ignore[attr-defined]
+        limit = model.config.max_position  # type: ignore[attr-defined]
+        context = max(0, min(context, limit - ROWS[-1] - 1))
+        cache = model.new_cache(context + ROWS[-1] + 1)  # type: ignore[attr-defined]
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab, (1, context + ROWS[-1]), generator=gen).to(device)
+        runs: dict[int, list[float]] = {r: [] for r in ROWS}
         with torch.inference_mode():
-            for r in ROWS:
-                tokens = torch.zeros(1, r, dtype=torch.long, device=model.device)  # type: ignore[attr-defined]
-                positions = torch.arange(r, device=tokens.device)  # [R]
-
-                def step(t: torch.Tensor = tokens, p: torch.Tensor = positions) -> None:
-                    hidden = model(t, p, cache)  # type: ignore[operator]
+            if context:
+                model(tokens[:, :context], torch.arange(context, device=device), cache)  # type: ignore[operator]
+            for _ in range(repeats + 1):
+                for r in ROWS:
+                    cache.truncate(context)
+                    rows = tokens[:, context : context + r]  # [1, R]
+                    positions = torch.arange(context, context + r, device=device)  # [R]
+                    t0 = time.perf_counter()
+                    hidden = model(rows, positions, cache)  # type: ignore[operator]
                     model.logits(hidden[0])  # type: ignore[attr-defined]
-
-                times.append(_median_seconds(step, cache.reset, repeats))
-        base = times[0]
-        cost = [max(1.0, t / base) for t in times]
+                    if torch.device(device).type == "cuda":
+                        torch.cuda.synchronize(device)
+                    runs[r].append(time.perf_counter() - t0)
+        times = [statistics.median(runs[r][1:]) for r in ROWS]
+        cost = [max(1.0, t / times[0]) for t in times]
         for i in range(1, len(cost)):  # more rows never cost less (noise)
             cost[i] = max(cost[i], cost[i - 1])
         return cls(ROWS, tuple(cost))
