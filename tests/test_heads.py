@@ -231,8 +231,18 @@ def test_chain_runs_count_leading_drafts_equal_to_the_target_top1() -> None:
         {"strategy": "spork", "drafter": "head", "tree": "forks", "goodput": False},
         {"strategy": "spork", "drafter": "head", "tree": "dynamic", "goodput": False},
         {"strategy": "spork", "drafter": "recycle+ngram+head", "goodput": False},
+        {"strategy": "speculative", "drafter": "ngram+head", "k": 4, "goodput": False},
+        {"strategy": "dspark", "drafter": "ngram+head"},
     ],
-    ids=["chain", "dspark", "spork-forks", "spork-dynamic", "spork-merged"],
+    ids=[
+        "chain",
+        "dspark",
+        "spork-forks",
+        "spork-dynamic",
+        "spork-merged",
+        "fallback-chain",
+        "fallback-dspark",
+    ],
 )
 def test_the_head_drafts_in_every_strategy_losslessly(smollm_f32, head_dir, spec) -> None:
     """Without the goodput gates (they weigh drafts by timed costs: on a loaded machine an

@@ -337,11 +337,21 @@ class SpecConfig:
                         f"unknown spork drafter {source!r}; use one or more of "
                         f"{', '.join(SPORK_SOURCES)} joined by '+', e.g. recycle+ngram"
                     )
-        elif self.drafter not in ("ngram", "self") and not _is_path_source(self.drafter):
-            hint = " (recycle drafts trees: strategy spork)" if "recycle" in self.drafter else ""
-            raise ConfigError(
-                f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}{hint}"
-            )
+        else:
+            self._check_chain_sources()
+
+    def _check_chain_sources(self) -> None:
+        """A chain drafter, or several joined by "+" (asked in order: the first draft wins)."""
+        sources = self.drafter.split("+")
+        for source in sources:
+            if source not in ("ngram", "self") and not _is_path_source(source):
+                hint = " (recycle drafts trees: strategy spork)" if "recycle" in source else ""
+                raise ConfigError(
+                    f"unknown drafter {source!r}; choose one of {', '.join(DRAFTERS)}, or "
+                    f"several joined by '+' and asked in order (e.g. ngram+head){hint}"
+                )
+        if len(set(sources)) < len(sources):
+            raise ConfigError(f"drafter {self.drafter!r} names a source twice; name each once")
 
     def _check_spork(self) -> None:
         for name in ("forks", "depth", "budget"):

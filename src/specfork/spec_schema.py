@@ -72,9 +72,10 @@ def _o(name: str, kind: type | str, owner: str, help: str, **kw: Any) -> SpecOpt
 
 
 SPEC_OPTIONS: tuple[SpecOption, ...] = (
-    _o("drafter", "str?", "drafting", "ngram (prompt lookup), self (the target's own layers) or "
-       "model:PATH; for spork one or more of recycle, ngram, self, model:PATH joined by + "
-       "(default: ngram; recycle for spork)"),
+    _o("drafter", "str?", "drafting", "ngram (prompt lookup), self (the target's own layers), "
+       "head[:PATH] (a trained draft head) or model:PATH, or several joined by + and asked in "
+       "order (e.g. ngram+head: the first draft wins); for spork one or more of recycle, ngram, "
+       "self, head[:PATH], model:PATH joined by + (default: ngram; recycle for spork)"),
     _o("k", int, "speculative", "draft length (the maximum for linear-decay)"),
     _o("k_policy", str, "speculative", "how the draft length changes from round to round",
        choices=POLICY_NAMES),

@@ -9,6 +9,7 @@ blocks' hidden states at every row of that forward (and at every prompt row duri
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -173,6 +174,15 @@ class Feedback:
         return list(range(len(self.tokens))) if self.prompt else [0, *(1 + n for n in self.path)]
 
 
+def own_feedback(feedback: Feedback, layers: tuple[int, ...], wanted: tuple[int, ...]) -> Feedback:
+    """`feedback`, whose hidden states are those of `layers`, with only those of `wanted` (in
+    its order): what one source of a composite drafter hears."""
+    if feedback.hidden is None or wanted == layers:
+        return feedback
+    rows = [layers.index(i) for i in wanted]
+    return dataclasses.replace(feedback, hidden=feedback.hidden[rows] if rows else None)
+
+
 class Drafter(Protocol):
     """Anything that proposes scored trees continuing the committed history.
 
@@ -180,7 +190,8 @@ class Drafter(Protocol):
     (`start`); the engine then calls `propose` and `observe` on that one.
 
     `cost`: target forwards one drafting step costs (0 for sources that run no model: their
-    drafts are trimmed after drafting; a costly drafter is asked for fewer tokens instead).
+    drafts are trimmed after drafting; a costly drafter should draft at most
+    `shape.model_depth` tokens when it is set: the goodput gate sets it to what pays).
     `wants_logits`: the engine passes the target's logits at every row of every forward,
     prompt included, in `Feedback` (Token Recycling learns from them). `hidden_layers`: the
     target's blocks (0-based; their outputs before the final norm) whose hidden states every

@@ -21,12 +21,10 @@ proposal (accept x with probability p(x), else sample from p with x removed).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from specfork.config import SamplingParams
-from specfork.drafters.base import Draft, Drafter, DraftShape, Feedback, start
+from specfork.drafters.base import Draft, Drafter, DraftShape, Feedback, own_feedback, start
 from specfork.drafters.recycle import RecycleTable
 from specfork.tree import Tree, TreeBuilder, node_scores, prune
 
@@ -82,15 +80,7 @@ class ForkDrafter:
         if self.table is not None and feedback.logits is not None:
             self.table.update(feedback.tokens, feedback.logits)
         for source in self.chains.values():
-            source.observe(self._own(feedback, source.hidden_layers))
-
-    def _own(self, feedback: Feedback, layers: tuple[int, ...]) -> Feedback:
-        """`feedback` with only the hidden states of `layers` (in their order)."""
-        if feedback.hidden is None or layers == self.hidden_layers:
-            return feedback
-        rows = [self.hidden_layers.index(i) for i in layers]
-        hidden = feedback.hidden[rows] if rows else None
-        return dataclasses.replace(feedback, hidden=hidden)
+            source.observe(own_feedback(feedback, self.hidden_layers, source.hidden_layers))
 
     def propose(
         self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator

@@ -137,20 +137,24 @@ def propose(req: Request) -> tuple[DraftShape, Draft, Draft]:
 
 def fit_shape(req: Request, shape: DraftShape) -> DraftShape:
     """`shape` within the request's room: every path leaves a slot for the target's token,
-    every node needs a cache slot, and a costly drafter is asked only for what pays."""
+    every node needs a cache slot, and a costly drafter's network drafts only what pays
+    (`model_depth`; the free sources of a fallback still draft to `depth`)."""
     assert req.drafter is not None
     depth = min(shape.depth, req.room - 1)
     budget = shape.budget
     if shape.kind != "chain":
         budget = min(shape.max_nodes, req.cache.max_len - req.cache.length - 1)
+    model_depth = shape.model_depth
     if isinstance(req.gate, GoodputGate) and req.drafter.cost > 0 and depth > 0:
-        depth = min(depth, req.gate.length(req.drafter.name, depth, req.drafter.cost))
-    return dataclasses.replace(shape, depth=max(depth, 0), budget=budget)
+        paying = req.gate.length(req.drafter.name, depth, req.drafter.cost)
+        model_depth = paying if model_depth is None else min(model_depth, paying)
+    return dataclasses.replace(shape, depth=max(depth, 0), budget=budget, model_depth=model_depth)
 
 
 def gated(req: Request, proposed: Draft) -> Draft:
-    """What the goodput gate keeps of a draft: a chain's best head (free sources: a costly
-    drafter was asked for fewer tokens instead), a tree's best-scored nodes."""
+    """What the goodput gate keeps of a draft: a chain's best head (by its source's
+    per-position rates, or by a costly drafter's calibrated scores), a tree's best-scored
+    nodes."""
     gate, drafter = req.gate, req.drafter
     if not len(proposed) or gate is None or drafter is None:
         return proposed
@@ -158,6 +162,8 @@ def gated(req: Request, proposed: Draft) -> Draft:
         return proposed.head(gate.length(proposed.source, len(proposed)))
     if isinstance(gate, GoodputGate) and proposed.is_chain and proposed.scores is not None:
         return proposed.head(gate.trim_scored(proposed.scores.tolist()))  # a costly drafter's
+    if isinstance(gate, GoodputGate) and proposed.is_chain:  # drafting paid: only the rows
+        return proposed.head(gate.length(proposed.source, len(proposed)))
     if isinstance(gate, TreeGate) and proposed.scores is not None:
         keep = gate.keep(proposed.scores.tolist(), depths(proposed.tree).tolist())
         return _pruned(proposed, torch.tensor(keep, dtype=torch.bool))

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from specfork.config import SpecConfig
 from specfork.drafters.base import Drafter
+from specfork.drafters.fallback import FallbackDrafter
 from specfork.drafters.forks import RECYCLE_WIDTH, ForkDrafter
 from specfork.drafters.model import ModelDrafter, parse_layers, step_weights
 from specfork.drafters.ngram import NgramDrafter
@@ -80,7 +81,13 @@ def build_fork_drafter(spec: SpecConfig, target: LoadedModel) -> ForkDrafter:
 
 
 def build_drafter(spec: SpecConfig, target: LoadedModel) -> Drafter:
-    """A chain drafter for `target` as `spec.drafter` names it."""
+    """A chain drafter for `target` as `spec.drafter` names it (several joined by "+": a
+    `FallbackDrafter` asking them in order)."""
+    if "+" in spec.drafter:
+        names = spec.drafter.split("+")
+        return FallbackDrafter(
+            [build_drafter(dataclasses.replace(spec, drafter=n), target) for n in names]
+        )
     model = target.model
     n_layers = model.config.num_layers
     if spec.drafter == "ngram":

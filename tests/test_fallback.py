@@ -1,0 +1,116 @@
+"""`--drafter A+B` for chains: sources asked in order, the first draft wins (`FallbackDrafter`),
+each source hearing every forward; the goodput gate prices the costly source's drafts and
+lets the free source draft even when the costly one does not pay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
+from specfork.drafters.fallback import FallbackDrafter
+from specfork.engine import Generator
+from specfork.errors import ConfigError
+from specfork.loading.loader import LoadedModel
+from specfork.models.cost import CostCurve
+
+
+class Source:
+    """A fake chain source: proposes `tokens` (or nothing), records shapes and feedback."""
+
+    wants_logits = False
+
+    def __init__(self, name: str, tokens: list[int], cost: float = 0.0, layers=()) -> None:
+        self.name, self.tokens, self.cost = name, tokens, cost
+        self.hidden_layers: tuple[int, ...] = tuple(layers)
+        self.shapes: list[DraftShape] = []
+        self.heard: list[Feedback] = []
+        self.begun = 0
+
+    def begin(self, prompt_ids: list[int]) -> Source:
+        self.begun += 1
+        return self
+
+    def propose(self, history, shape, sampling, rng) -> Draft:
+        self.shapes.append(shape)
+        depth = shape.depth if shape.model_depth is None or not self.cost else shape.model_depth
+        return chain_draft(torch.tensor(self.tokens[:depth], dtype=torch.long), source=self.name)
+
+    def observe(self, feedback: Feedback) -> None:
+        self.heard.append(feedback)
+
+
+def _propose(drafter: FallbackDrafter, depth: int = 3) -> Draft:
+    return drafter.propose([1, 2, 3], DraftShape(depth), SamplingParams(), torch.Generator())
+
+
+def test_the_first_source_with_a_draft_wins_and_a_costly_one_is_labelled() -> None:
+    free, costly = Source("ngram", [], 0.0), Source("head", [7, 8, 9], 0.2, layers=(2, 5))
+    fallback = FallbackDrafter([free, costly])
+    assert (fallback.name, fallback.cost, fallback.hidden_layers) == ("ngram+head", 0.2, (2, 5))
+    draft = _propose(fallback)
+    assert draft.tokens.tolist() == [7, 8, 9] and draft.source == "ngram+head"
+    free.tokens = [4, 5]
+    draft = _propose(fallback)
+    assert draft.tokens.tolist() == [4, 5] and draft.source == "ngram"  # the free one's own label
+    assert len(costly.shapes) == 1  # not asked once the first source drafted
+    free.tokens, costly.tokens = [], []
+    assert len(_propose(fallback)) == 0
+
+
+def test_every_source_hears_every_forward_with_its_own_layers() -> None:
+    a = Source("self", [], 0.1, layers=(1, 3))
+    b = Source("head", [], 0.2, layers=(3, 6))
+    fallback = FallbackDrafter([a, b]).begin([1, 2])
+    assert (a.begun, b.begun) == (1, 1) and fallback.hidden_layers == (1, 3, 6)
+    hidden = torch.arange(3.0)[:, None, None].expand(3, 2, 4)  # [C, T, D]: layer index as value
+    fallback.observe(Feedback(5, torch.tensor([9, 9]), [0], None, hidden))
+    assert a.heard[0].hidden[:, 0, 0].tolist() == [0.0, 1.0]  # blocks 1, 3
+    assert b.heard[0].hidden[:, 0, 0].tolist() == [1.0, 2.0]  # blocks 3, 6
+    with pytest.raises(ValueError, match="two sources"):
+        FallbackDrafter([a])
+
+
+@pytest.mark.parametrize(
+    ("drafter", "words"),
+    [
+        ("ngram+recycle", "strategy spork"),
+        ("ngram+ngram", "twice"),
+        ("ngram+eagle", "unknown drafter 'eagle'"),
+        ("ngram+", "unknown drafter ''"),
+    ],
+)
+def test_chain_sources_are_checked(drafter: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        SpecConfig("speculative", drafter)
+    SpecConfig("dspark", "ngram+head:/some/head+model:/some/draft.gguf")  # any order, any count
+
+
+N = 40
+PROMPT = "Copy this list exactly: apple, banana, cherry, apple, banana, cherry."
+
+
+@pytest.mark.slow
+def test_the_free_source_drafts_when_the_costly_one_does_not_pay(
+    smollm_f32: LoadedModel,
+) -> None:
+    """A costly source that never agrees is turned off by the gate (`model_depth` 0 but for
+    exploration rounds), while the n-gram source keeps drafting at full depth; output is
+    plain decoding's."""
+    from specfork.drafters.ngram import NgramDrafter
+
+    config = GenerationConfig(max_new_tokens=N, ignore_eos=True)
+    plain = Generator(smollm_f32).generate(PROMPT, config=config)
+    never = max(set(range(100, 200)) - set(plain.token_ids))
+    costly = Source("head", [never] * 8, cost=0.3)
+    fallback = FallbackDrafter([NgramDrafter(), costly])
+    curve = CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.3, 2.0))
+    gen = Generator(smollm_f32, drafter=fallback, spec=SpecConfig("speculative", k=4),
+                    cost_curve=curve)  # fmt: skip
+    out = gen.generate(PROMPT, config=config)
+    assert out.token_ids == plain.token_ids
+    depths = [s.model_depth for s in costly.shapes]
+    assert depths and depths[-5:].count(0) >= 3  # turned off after its misses
+    assert all(s.depth >= 1 for s in costly.shapes)  # the free source's depth stays
+    assert out.stats.accepted > 0  # the n-gram source drafted and was right
