@@ -4,6 +4,8 @@ lets the free source draft even when the costly one does not pay."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -11,9 +13,12 @@ from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
 from specfork.drafters.fallback import FallbackDrafter
 from specfork.engine import Generator
+from specfork.engine.round import gated, observe_gate
 from specfork.errors import ConfigError
 from specfork.loading.loader import LoadedModel
 from specfork.models.cost import CostCurve
+from specfork.strategies.goodput import GoodputGate
+from specfork.verify import Verdict
 
 
 class Source:
@@ -70,6 +75,25 @@ def test_every_source_hears_every_forward_with_its_own_layers() -> None:
     assert b.heard[0].hidden[:, 0, 0].tolist() == [1.0, 2.0]  # blocks 3, 6
     with pytest.raises(ValueError, match="two sources"):
         FallbackDrafter([a])
+
+
+def test_the_gate_prices_only_the_costly_sources_drafts_by_their_scores() -> None:
+    """A free source's chain carries scores too (n-gram: 1.0 each); in a fallback they are not
+    the network's probabilities, so they neither teach nor use the scored calibration: the
+    chain is trimmed by its own source's rates."""
+    fallback = FallbackDrafter([Source("ngram-3", []), Source("head", [], cost=0.2)])
+    req = SimpleNamespace(gate=GoodputGate(CostCurve((1, 4), (1.0, 1.3))), drafter=fallback)
+    ones = torch.ones(3, dtype=torch.float64)  # [3]
+    free = chain_draft(torch.tensor([4, 5, 6]), scores=ones, source="ngram-3")
+    for _ in range(20):  # the n-gram source is always wrong at its first token
+        observe_gate(req, free, free, Verdict([], [9]), [1, 2, 3])
+    assert not req.gate.scored.trials  # no calibration learned from free drafts
+    assert len(gated(req, free)) == 0  # its rates say nothing pays
+    head_q = torch.tensor([0.9, 0.8], dtype=torch.float64)  # [2]
+    network = chain_draft(torch.tensor([4, 5]), scores=head_q, source=fallback.name)
+    observe_gate(req, network, network, Verdict([0, 1], [4, 5, 6]), [1, 2])
+    assert sum(req.gate.scored.trials.values()) == 2  # the head's drafts calibrate its scores
+    assert len(gated(req, network)) == 2
 
 
 @pytest.mark.parametrize(

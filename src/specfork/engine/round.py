@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback
+from specfork.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftShape, Feedback
 from specfork.engine.request import Request
 from specfork.engine.stats import RoundRecord
 from specfork.models.base import DecoderLM, Segment
@@ -158,16 +158,24 @@ def gated(req: Request, proposed: Draft) -> Draft:
     gate, drafter = req.gate, req.drafter
     if not len(proposed) or gate is None or drafter is None:
         return proposed
-    if isinstance(gate, GoodputGate) and drafter.cost == 0:
-        return proposed.head(gate.length(proposed.source, len(proposed)))
-    if isinstance(gate, GoodputGate) and proposed.is_chain and proposed.scores is not None:
-        return proposed.head(gate.trim_scored(proposed.scores.tolist()))  # a costly drafter's
-    if isinstance(gate, GoodputGate) and proposed.is_chain:  # drafting paid: only the rows
+    costly = by_network(drafter, proposed)
+    if isinstance(gate, GoodputGate) and costly and proposed.is_chain:
+        if proposed.scores is not None:
+            return proposed.head(gate.trim_scored(proposed.scores.tolist()))
+        return proposed.head(gate.length(proposed.source, len(proposed)))  # drafting is paid
+    if isinstance(gate, GoodputGate) and not costly:
         return proposed.head(gate.length(proposed.source, len(proposed)))
     if isinstance(gate, TreeGate) and proposed.scores is not None:
         keep = gate.keep(proposed.scores.tolist(), depths(proposed.tree).tolist())
         return _pruned(proposed, torch.tensor(keep, dtype=torch.bool))
     return proposed
+
+
+def by_network(drafter: Drafter, draft: Draft) -> bool:
+    """Whether a costly drafter's network drafted `draft` (its scores are then that network's
+    probabilities): a plain costly drafter's drafts, a fallback's drafts it labelled with its
+    own name — not those of a fallback's free source, which keep their own labels."""
+    return drafter.cost > 0 and draft.source == drafter.name
 
 
 def verify_forward(
@@ -281,7 +289,7 @@ def observe_gate(
     if isinstance(req.gate, GoodputGate) and len(proposed):
         drafted = proposed.tokens.tolist()
         req.gate.observe(proposed.source, drafted, verdict.tokens)
-        if proposed.is_chain and proposed.scores is not None and req.drafter.cost > 0:
+        if proposed.is_chain and proposed.scores is not None and by_network(req.drafter, proposed):
             req.gate.observe_scored(proposed.scores.tolist(), drafted, verdict.tokens)
     elif isinstance(req.gate, TreeGate) and draft.scores is not None and len(draft):
         req.gate.observe(draft.scores.tolist(), node_depths, verdict.path)
