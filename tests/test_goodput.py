@@ -177,20 +177,38 @@ def test_gated_sampling_stays_reproducible(smollm_f32: LoadedModel) -> None:
     assert first.token_ids == again.token_ids
 
 
-def test_the_cost_meter_averages_proposals_and_keeps_its_floor() -> None:
-    meter = CostMeter(target_seconds=0.01, floor=0.1, rate=0.25)
+def test_the_cost_meter_takes_the_lower_quartile_of_recent_proposals() -> None:
+    meter = CostMeter(target_seconds=0.01, floor=0.1, window=8)
     assert meter.cost == 0.1  # nothing measured yet: the static estimate
     meter.observe(0.004, 2)  # 2 ms a token = 0.2 target steps
     assert meter.cost == pytest.approx(0.2)
     meter.observe(0.5, 0)  # nothing drafted: not a measurement
     assert meter.cost == pytest.approx(0.2)
-    meter.observe(0.0, 4)  # free this time: the average moves a quarter of the way
-    assert meter.per_token == pytest.approx(0.75 * 0.002)
-    assert meter.cost == pytest.approx(0.15)
-    for _ in range(50):
+    meter.observe(0.1, 1)  # a slow spell (100 ms): timing noise only ever adds time
+    assert meter.cost == pytest.approx(0.2)  # the least of fewer than five
+    meter.observe(0.006, 2)
+    meter.observe(0.009, 3)
+    meter.observe(0.0125, 5)  # 2, 100, 3, 3, 2.5 ms: the lower quartile is 2.5 ms
+    assert meter.per_token == pytest.approx(0.0025)
+    assert meter.cost == pytest.approx(0.25)
+    for _ in range(8):  # the window forgets what came before
+        meter.observe(0.03, 1)
+    assert meter.cost == pytest.approx(3.0)
+    for _ in range(8):
         meter.observe(0.0, 1)
     assert meter.cost == 0.1  # never below the floor
     for bad, words in (({"target_seconds": 0.0}, "target_seconds"), ({"floor": -1.0}, "floor"),
-                       ({"rate": 0.0}, "rate"), ({"rate": 1.5}, "rate")):  # fmt: skip
+                       ({"window": 0}, "window"), ({"window": 2.5}, "window")):  # fmt: skip
         with pytest.raises(ValueError, match=words):
             CostMeter(**{"target_seconds": 0.01, "floor": 0.1, **bad})
+
+
+def test_a_slow_first_proposal_does_not_keep_the_gate_off() -> None:
+    """A first proposal on cold caches (5x the usual) prices the head out; the next timed
+    proposal (an exploration round) restores the usual price, where a moving average would
+    have kept most of the spike."""
+    meter = CostMeter(target_seconds=0.004, floor=0.05)
+    meter.observe(0.005, 1)  # 5 ms: more than a target step
+    assert meter.cost == pytest.approx(1.25)
+    meter.observe(0.0003, 1)
+    assert meter.cost == pytest.approx(0.075)
