@@ -23,7 +23,7 @@ from specfork.drafters.base import (
 )
 from specfork.errors import ConfigError
 from specfork.models.base import DecoderLM
-from specfork.sampling import probabilities, sample
+from specfork.sampling import argmax, probabilities, sample
 from specfork.tree import Tree, TreeBuilder, path_to
 
 
@@ -123,7 +123,7 @@ class ModelDrafter:
             ):
                 break
             if q is None:
-                tokens.append(int(logits.argmax()))
+                tokens.append(int(argmax(logits)))
             else:
                 qs.append(q)
                 tokens.append(int(sample(q, rng)))

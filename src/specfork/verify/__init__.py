@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specfork.sampling import sample
+from specfork.sampling import argmax, sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +40,12 @@ class Verdict:
 
 def verify_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
     """Greedy verification of draft [K] against the target's logits [K + 1, V]."""
-    target = target_logits.argmax(-1)  # [K + 1]
-    k = draft.shape[0]
-    agree = (draft == target[:k]).int().cumprod(0)  # [K] 1 while the prefix matches
-    n = int(agree.sum())
-    return Verdict(list(range(n)), [*draft[:n].tolist(), int(target[n])])
+    target = argmax(target_logits).tolist()  # [K + 1]
+    drafted = draft.tolist()  # [K]
+    n = 0
+    while n < len(drafted) and drafted[n] == target[n]:  # the prefix the target agrees with
+        n += 1
+    return Verdict(list(range(n)), [*drafted[:n], target[n]])
 
 
 def one_hot_q(draft: torch.Tensor, vocab: int) -> torch.Tensor:

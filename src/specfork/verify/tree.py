@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from specfork.sampling import sample
+from specfork.sampling import argmax, sample
 from specfork.tree import Tree, children, paths
 from specfork.verify import Verdict
 
@@ -39,7 +39,7 @@ def verify_tree_greedy(tree: Tree, target_logits: torch.Tensor) -> Verdict:
     target's greedy continuation, i.e. exactly what plain greedy decoding would produce.
     """
     _check_rows(tree, target_logits, "target_logits")
-    target = target_logits.argmax(-1).tolist()  # [N + 1]
+    target = argmax(target_logits).tolist()  # [N + 1]
     tokens = tree.tokens.tolist()
     kids = children(tree)
     path: list[int] = []
@@ -155,4 +155,4 @@ def verify_tree_typical(
             best = candidate[:n]
     last_row = best[-1] + 1 if best else 0
     tokens = tree.tokens.tolist()
-    return Verdict(best, [*(tokens[i] for i in best), int(p[last_row].argmax())])
+    return Verdict(best, [*(tokens[i] for i in best), int(argmax(p[last_row]))])
