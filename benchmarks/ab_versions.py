@@ -30,6 +30,11 @@ STRATEGIES = {
     "dspark ngram": {"strategy": "dspark", "drafter": "ngram"},
     "spork recycle+ngram": {"strategy": "spork", "drafter": "recycle+ngram"},
 }
+HEADS = {  # with --heads: the packaged draft head (both versions must ship one)
+    "head": {"strategy": "speculative", "drafter": "head"},
+    "head k=1, gate off": {"strategy": "speculative", "drafter": "head", "k": 1, "goodput": False},
+    "ngram+head": {"strategy": "speculative", "drafter": "ngram+head"},
+}
 
 WORKER = r"""
 import json, sys
@@ -64,10 +69,10 @@ for line in sys.stdin:
 class Worker:
     """One version's worker process."""
 
-    def __init__(self, root: Path, n: int, curve: list | None = None) -> None:
+    def __init__(self, root: Path, n: int, strategies: dict, curve: list | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(root / "src")}
         given = "measure" if curve is None else json.dumps(curve)
-        args = [sys.executable, "-c", WORKER, json.dumps(STRATEGIES), str(n), given]
+        args = [sys.executable, "-c", WORKER, json.dumps(strategies), str(n), given]
         self.proc = subprocess.Popen(
             args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -100,19 +105,21 @@ def main() -> None:
     ap.add_argument("--prompts", type=Path, default=Path("benchmarks/prompts/specbench-dev.jsonl"))
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    ap.add_argument("--heads", action="store_true", help="also the packaged draft head's chains")
     args = ap.parse_args()
+    strategies = {**STRATEGIES, **(HEADS if args.heads else {})}
     sys.path.insert(0, str(args.b / "src"))
     from specfork.bench.prompts import load_prompts, select_prompts
 
     picked = select_prompts(load_prompts(args.prompts), per_category=args.per_category)
     prompts = [p.text for p in picked]
-    a = Worker(args.a, args.max_new_tokens)  # measures the goodput gate's cost curve...
-    workers = {"A": a, "B": Worker(args.b, args.max_new_tokens, a.curve)}  # ...B uses A's
+    a = Worker(args.a, args.max_new_tokens, strategies)  # measures the gate's cost curve...
+    workers = {"A": a, "B": Worker(args.b, args.max_new_tokens, strategies, a.curve)}  # B: A's
     print(f"A: {a.describe}; B: {workers['B'].describe}; {len(prompts)} prompts")
     print(f"cost curve (both): rows {a.curve[0]}, cost {[round(c, 2) for c in a.curve[1]]}")
-    rows: dict[str, dict[str, list]] = {s: {"A": [], "B": [], "same": []} for s in STRATEGIES}
+    rows: dict[str, dict[str, list]] = {s: {"A": [], "B": [], "same": []} for s in strategies}
     for i, prompt in enumerate(prompts):
-        for strategy in STRATEGIES:
+        for strategy in strategies:
             order = ("A", "B") if i % 2 == 0 else ("B", "A")
             out = {v: workers[v].run(strategy, prompt) for v in order}
             rows[strategy]["A"].append(out["A"]["tok_s"])
