@@ -7,7 +7,7 @@ gates draft differently). Then the prompts are sent to the two workers
 alternately (the version that goes first alternates too), so both see the same machine state.
 Only one worker computes at a time. Prints, per strategy, the median decode tokens/s of each
 version, the median of the per-prompt ratios B / A, and whether both versions emitted the same
-tokens (greedy, EOS ignored).
+tokens (EOS ignored; greedy by default, or seeded sampling with `--temperature`/`--top-p`).
 
     git worktree add /tmp/specfork-old <old commit>
     python benchmarks/ab_versions.py /tmp/specfork-old . \\
@@ -38,7 +38,7 @@ HEADS = {  # with --heads: the packaged draft head (both versions must ship one)
 
 WORKER = r"""
 import json, sys
-from specfork.config import GenerationConfig, SpecConfig
+from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.engine import Generator
 from specfork.loading.loader import load_model
 from specfork.loading.registry import DEFAULT_MODEL
@@ -55,12 +55,13 @@ gens = {
     for name, kw in strategies.items()
 }
 config = GenerationConfig(max_new_tokens=n, ignore_eos=True)
+sampling = SamplingParams(**json.loads(sys.argv[4]))
 for gen in gens.values():
     gen.generate("Hello, how are you?", config=config)
 print(json.dumps({"ready": loaded.model.describe(), "curve": [curve.rows, curve.cost]}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
-    result = gens[job["strategy"]].generate(job["prompt"], config=config)
+    result = gens[job["strategy"]].generate(job["prompt"], config=config, sampling=sampling)
     out = {"tok_s": result.stats.decode_tokens_per_second, "ids": result.token_ids}
     print(json.dumps(out), flush=True)
 """
@@ -69,10 +70,13 @@ for line in sys.stdin:
 class Worker:
     """One version's worker process."""
 
-    def __init__(self, root: Path, n: int, strategies: dict, curve: list | None = None) -> None:
+    def __init__(
+        self, root: Path, n: int, strategies: dict, sampling: dict, curve: list | None = None
+    ) -> None:
         env = {**os.environ, "PYTHONPATH": str(root / "src")}
         given = "measure" if curve is None else json.dumps(curve)
         args = [sys.executable, "-c", WORKER, json.dumps(strategies), str(n), given]
+        args.append(json.dumps(sampling))
         self.proc = subprocess.Popen(
             args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -106,16 +110,20 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--heads", action="store_true", help="also the packaged draft head's chains")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": 0}
     strategies = {**STRATEGIES, **(HEADS if args.heads else {})}
     sys.path.insert(0, str(args.b / "src"))
     from specfork.bench.prompts import load_prompts, select_prompts
 
     picked = select_prompts(load_prompts(args.prompts), per_category=args.per_category)
     prompts = [p.text for p in picked]
-    a = Worker(args.a, args.max_new_tokens, strategies)  # measures the gate's cost curve...
-    workers = {"A": a, "B": Worker(args.b, args.max_new_tokens, strategies, a.curve)}  # B: A's
-    print(f"A: {a.describe}; B: {workers['B'].describe}; {len(prompts)} prompts")
+    a = Worker(args.a, args.max_new_tokens, strategies, sampling)  # measures the cost curve...
+    b = Worker(args.b, args.max_new_tokens, strategies, sampling, a.curve)  # ...B uses A's
+    workers = {"A": a, "B": b}
+    print(f"A: {a.describe}; B: {b.describe}; {len(prompts)} prompts; sampling {sampling}")
     print(f"cost curve (both): rows {a.curve[0]}, cost {[round(c, 2) for c in a.curve[1]]}")
     rows: dict[str, dict[str, list]] = {s: {"A": [], "B": [], "same": []} for s in strategies}
     for i, prompt in enumerate(prompts):
