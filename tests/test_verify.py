@@ -60,7 +60,7 @@ from distribution import (
     unclamped_residual,
 )
 from specfork.config import SamplingParams
-from specfork.sampling import probabilities
+from specfork.sampling import make_generator, probabilities
 from specfork.verify import Verdict, one_hot_q, verify_greedy, verify_sampling
 
 ALPHA = 1e-3  # chi-square p-value below which a distribution test fails
@@ -329,6 +329,21 @@ def test_verify_sampling_with_one_hot_q_is_distributed_as_p():
     assert int((outcome.accepted == cfg.k).sum()) == 0
     # includes: acceptance of draft token j is sum(min(p_j, q_j)) = p_j(draft_j) within 5 sigma
     assert report.failures() == []
+
+
+def test_verify_sampling_without_q_is_the_one_hot_verdict() -> None:
+    """q None (deterministic drafts) gives bitwise the verdicts of the one-hot q it stands for,
+    seed by seed: the same uniforms, the same residual, the same draw."""
+    cfg = Config("none-v500-k4", vocab=500, k=4, temperature=1.0, top_k=20, logit_scale=3.0,
+                 seed=21)  # fmt: skip
+    p, _ = cfg.distributions()
+    order = p.argsort(-1, descending=True)  # [K + 1, V]
+    for seed in range(300):
+        ranks = torch.tensor([seed % 3, (seed // 3) % 4, 0, (seed // 12) % 25])  # [K]
+        draft = order[torch.arange(cfg.k), ranks]  # [K] likely and unlikely tokens
+        with_q = verify_sampling(draft, p, one_hot_q(draft, cfg.vocab), make_generator(seed))
+        without = verify_sampling(draft, p, None, make_generator(seed))
+        assert without == with_q
 
 
 # ---------------------------------------------------------------------- negative controls

@@ -23,7 +23,7 @@ from specfork.sampling import probabilities
 from specfork.strategies.goodput import GoodputGate, TreeGate
 from specfork.strategies.policies import RoundInfo
 from specfork.tree import cache_indices, children, depths, prune, tree_mask, tree_positions
-from specfork.verify import Verdict, one_hot_q, verify_greedy, verify_sampling
+from specfork.verify import Verdict, verify_greedy, verify_sampling
 from specfork.verify.tree import verify_tree_greedy, verify_tree_sampling, verify_tree_typical
 
 NO_SHAPE = DraftShape(0)
@@ -216,8 +216,7 @@ def accept(req: Request, draft: Draft, logits: torch.Tensor) -> Verdict:
         if sampling.greedy:
             return verify_greedy(drafted, logits)
         p = probabilities(logits, sampling)  # [K + 1, V]
-        q = draft.q if draft.q is not None else one_hot_q(drafted, p.shape[-1])  # [K, V]
-        return verify_sampling(drafted, p, q, req.rng)
+        return verify_sampling(drafted, p, draft.q, req.rng)  # q None: deterministic drafts
     if sampling.greedy:
         return verify_tree_greedy(draft.tree, logits)
     return verify_tree_sampling(draft.tree, probabilities(logits, sampling), draft.q, req.rng)

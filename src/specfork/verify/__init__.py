@@ -54,22 +54,29 @@ def one_hot_q(draft: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def verify_sampling(
-    draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator
+    draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator
 ) -> Verdict:
     """Lossless speculative sampling of draft [K] with p [K + 1, V] and q [K, V].
 
-    q must be the distribution each draft token was actually drawn from.
+    q must be the distribution each draft token was actually drawn from; None for deterministic
+    drafts (n-gram lookup, greedy heads), the same as `one_hot_q(draft, V)` without building
+    it: x_i is accepted with probability p_i(x_i), and the residual is p_i with x_i removed.
     """
     k = draft.shape[0]
     idx = torch.arange(k, device=draft.device)
     p_x = p[idx, draft]  # [K] target probability of each drafted token
-    q_x = q[idx, draft].clamp_min(torch.finfo(q.dtype).tiny)  # [K]
     u = torch.rand(k, generator=generator, device=p.device)  # [K]
-    rejected = (u * q_x >= p_x).nonzero()  # u >= p/q  ⇔  rejection
+    if q is not None:
+        u = u * q[idx, draft].clamp_min(torch.finfo(q.dtype).tiny)  # [K] u · q(x)
+    rejected = (u >= p_x).nonzero()  # u >= p/q  ⇔  rejection
     if rejected.numel() == 0:
         return Verdict(list(range(k)), [*draft.tolist(), int(sample(p[k], generator))])
     n = int(rejected[0])
-    residual = (p[n] - q[n]).clamp_min(0)  # [V]
+    if q is None:
+        residual = p[n].clone()
+        residual[draft[n]] = 0.0  # max(0, p - one_hot(x))
+    else:
+        residual = (p[n] - q[n]).clamp_min(0)  # [V]
     total = residual.sum()
     residual = residual / total if total > 0 else p[n]
     return Verdict(list(range(n)), [*draft[:n].tolist(), int(sample(residual, generator))])
