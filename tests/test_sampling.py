@@ -102,6 +102,10 @@ def test_sample_never_draws_a_zero_probability_token_and_takes_unnormalised_rows
     one_hot = torch.zeros(3, 49152)
     one_hot[torch.arange(3), torch.tensor([0, 777, 49151])] = 1.0
     assert sample(one_hot, make_generator(2)).tolist() == [0, 777, 49151]
+    for broken in (torch.zeros(5), torch.tensor([0.5, float("nan"), 0.5]),
+                   torch.tensor([0.5, float("inf"), 0.5])):  # fmt: skip
+        with pytest.raises(ValueError, match="no finite probability mass"):
+            sample(broken, make_generator(3))
 
 
 @pytest.mark.parametrize(
