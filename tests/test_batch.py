@@ -15,7 +15,7 @@ from specfork.kernels import load_kernels
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.models.base import Segment
 from specfork.models.cost import CostCurve
-from specfork.strategies.goodput import allocate, best_length
+from specfork.strategies.goodput import EXPLORE_EVERY, allocate, best_length, least_paying_value
 from specfork.tree import Tree, tree_mask, tree_positions
 from tiny_models import tiny_chat_llama
 
@@ -135,6 +135,44 @@ def test_allocation_alone_matches_the_gate_and_shrinks_in_a_full_batch() -> None
     assert sum(full) < 16 * 3  # a full batch verifies far fewer draft rows
     assert allocate([[0.1, 0.05]] * 16, 16, CURVE) == [0] * 16  # unlikely drafts: none
     assert allocate([[], [0.99]], 2, CURVE) == [0, 1]
+
+
+def test_the_least_paying_value_bounds_what_the_allocation_keeps() -> None:
+    """θ: nodes all worth a little less keep nothing; a batch of them worth a little more than
+    θ at the n that sets it keeps some. Alone θ is the price of a verification row."""
+    alone = least_paying_value(1, 1, CURVE, 8)
+    assert alone == pytest.approx(min((CURVE(1 + n) - 1) / n for n in range(1, 9)))
+    full = least_paying_value(16, 16, CURVE, 16)
+    assert full > 0.5 > alone
+    below = [[full * 0.99] * 4] * 16
+    assert allocate(below, 16, CURVE) == [0] * 16
+    above = [[min(1.0, full * 1.05)] * 4] * 16
+    assert sum(allocate(above, 16, CURVE)) > 0
+
+
+def test_a_full_batch_skips_proposals_that_cannot_pay_and_still_explores(
+    loaded: LoadedModel,
+) -> None:
+    """With verification rows dear (a steep cost curve) and n-gram chains that are rarely
+    accepted, requests stop proposing, except one step in EXPLORE_EVERY; their outputs stay
+    those of lone runs."""
+    steep = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 2.0, 4.0, 8.0, 16.0, 32.0))
+    gen = Generator(loaded, spec=STRATEGIES["ngram"], cost_curve=steep)
+    config = GenerationConfig(max_new_tokens=3 * EXPLORE_EVERY, ignore_eos=True)
+    scheduler = Scheduler(gen, BatchConfig(max_running=8, step_rows=64))
+    prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS[:4]]
+    runs = [scheduler.add(p, config=config) for p in prompts]
+    results: dict[int, list[int]] = {}
+    idle_seen = 0
+    while scheduler.running:
+        for update in scheduler.step():
+            if update.result is not None:
+                results[id(update.running)] = update.result.token_ids
+        idle_seen = max([idle_seen, *(r.idle for r in scheduler.running)])
+    assert idle_seen >= EXPLORE_EVERY - 1  # skipped, then explored (idle never reaches 16)
+    for running, prompt in zip(runs, prompts, strict=True):
+        assert results[id(running)] == gen.generate(prompt, config=config).token_ids
+    assert any(r.req.gate.stats.trials for r in runs)  # exploring drafts teach the rates
 
 
 def test_lone_requests_run_as_alone_and_the_step_trace_counts_rows(loaded: LoadedModel) -> None:

@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.drafters.base import Draft, Feedback
+from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback
 from specfork.engine.lifecycle import GenerationResult, first_tokens, result, stopped, take
 from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.prefix import PrefixCache
 from specfork.engine.request import Request
 from specfork.engine.round import (
+    NO_SHAPE,
     Planned,
     finish_round,
     node_order,
@@ -45,7 +46,14 @@ from specfork.engine.round import (
 )
 from specfork.errors import ConfigError
 from specfork.models.base import Segment
-from specfork.strategies.goodput import PRIOR, GoodputGate, TreeGate, allocate
+from specfork.strategies.goodput import (
+    EXPLORE_EVERY,
+    PRIOR,
+    GoodputGate,
+    TreeGate,
+    allocate,
+    least_paying_value,
+)
 from specfork.tree import depths
 
 log = logging.getLogger(__name__)
@@ -97,6 +105,7 @@ class Running:
     prefilled: int = 0  # prompt tokens already in its cache
     decode_started: float | None = None  # time of its first token
     finished: bool = False
+    idle: int = 0  # steps in a row it did not propose (its drafts could not pay)
 
     @property
     def prefilling(self) -> bool:
@@ -231,7 +240,8 @@ class Scheduler:
         work = _Work()
         decoding = [r for r in self.running if not r.prefilling]
         budget = self.config.step_rows - len(decoding)
-        plans = [propose(r.req) for r in decoding]
+        floor = self._least_value(len(decoding), budget)
+        plans = [self._propose(r, floor) for r in decoding]
         trims = self._trims([d for _, _, d in plans], budget, len(decoding))
         for running, n, (shape, proposed, draft) in zip(decoding, trims, plans, strict=True):
             planned = plan_round(running.req, (shape, proposed, draft), n)
@@ -246,6 +256,29 @@ class Scheduler:
                 work.segments.append(self._prompt_segment(running, rows))
                 budget -= rows
         return work
+
+    def _least_value(self, roots: int, budget: int) -> float:
+        """θ of this step's allocation (`least_paying_value`; 0 when the batch does not
+        allocate): what a request's best draft node must be worth to be worth proposing."""
+        if not self.config.goodput or budget < 1:
+            return 0.0
+        prefill = min(budget, sum(self._prompt_left(r) for r in self.running))
+        fixed = roots + prefill
+        return least_paying_value(roots, fixed, self.generator.cost_curve(), budget - prefill)
+
+    @staticmethod
+    def _propose(running: Running, floor: float) -> tuple[DraftShape, Draft, Draft]:
+        """`propose`, unless the request's chains are all worth less than `floor` (its gate's
+        best first-position rate): then it does not draft (n-gram lookups and chains for
+        sixteen requests cost ~5% of a step), except one step in EXPLORE_EVERY, so that its
+        rates keep learning."""
+        gate = running.req.gate
+        if isinstance(gate, GoodputGate) and floor > 0 and gate.stats.best_first_rate() <= floor:
+            running.idle += 1
+            if running.idle < EXPLORE_EVERY:
+                return NO_SHAPE, EMPTY_DRAFT, EMPTY_DRAFT
+        running.idle = 0
+        return propose(running.req)
 
     def _trims(self, drafts: list[Draft], budget: int, roots: int) -> list[int]:
         """How many nodes each draft keeps: the batch's goodput allocation, within the rows

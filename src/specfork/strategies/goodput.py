@@ -42,6 +42,11 @@ class AcceptanceStats:
             out.append((h + PRIOR * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT))
         return out
 
+    def best_first_rate(self) -> float:
+        """The highest first-position rate of any source, a source not seen yet included (the
+        prior): no chain this request drafts is worth more than that at its first node."""
+        return max([PRIOR, *(self.rates(source, 1)[0] for source in self.trials)])
+
     def observe(self, source: str, drafted: list[int], emitted: list[int]) -> None:
         """Learn from a draft (before any trimming) and the tokens the round emitted: the
         drafted token at position i would have been accepted iff the ones before it were and
@@ -76,6 +81,16 @@ def best_length(rates: list[float], cost: CostCurve, draft_cost: float = 0.0) ->
         if value > best_value:
             best, best_value = k, value
     return best
+
+
+def least_paying_value(roots: int, fixed_rows: int, cost: CostCurve, most: int) -> float:
+    """θ = min over n ≤ `most` of roots · (c(fixed_rows + n) / c(fixed_rows) − 1) / n: `allocate`
+    keeps n draft nodes only if they are worth at least n·θ together (E / c must beat a step
+    of the roots alone), so a request whose nodes are all worth at most θ can only join a
+    kept prefix through nodes of other requests worth more. In a full batch θ is high (16
+    roots on two cores: ~0.6), alone it is the price of one verification row."""
+    base = cost(fixed_rows)
+    return min(roots * (cost(fixed_rows + n) / base - 1) / n for n in range(1, max(most, 1) + 1))
 
 
 def allocate(values: list[list[float]], fixed_rows: int, cost: CostCurve) -> list[int]:
