@@ -175,6 +175,32 @@ def test_a_full_batch_skips_proposals_that_cannot_pay_and_still_explores(
     assert any(r.req.gate.stats.trials for r in runs)  # exploring drafts teach the rates
 
 
+class _CountingCurve(CostCurve):
+    """CURVE, counting how often it is asked (a model's own curve is measured by forwards)."""
+
+    def __init__(self) -> None:
+        super().__init__(CURVE.rows, CURVE.cost)
+        object.__setattr__(self, "calls", 0)
+
+    def __call__(self, r: int) -> float:
+        object.__setattr__(self, "calls", self.calls + 1)
+        return super().__call__(r)
+
+
+def test_plain_decoding_in_a_batch_never_prices_rows(loaded: LoadedModel) -> None:
+    """Without a drafter there is nothing to allocate: a batch of plain requests never asks
+    the cost curve (measuring a model's own curve takes seconds on the eager path)."""
+    curve = _CountingCurve()
+    gen = Generator(loaded, spec=STRATEGIES["ar"], cost_curve=curve)
+    scheduler = Scheduler(gen, BatchConfig(max_running=4, step_rows=64))
+    config = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    for prompt in PROMPTS[:4]:
+        scheduler.add(prompt, config=config)
+    while scheduler.running:
+        scheduler.step()
+    assert curve.calls == 0
+
+
 def test_lone_requests_run_as_alone_and_the_step_trace_counts_rows(loaded: LoadedModel) -> None:
     gen = _generator(loaded, STRATEGIES["ngram"])
     config = GenerationConfig(max_new_tokens=16, ignore_eos=True)

@@ -240,7 +240,7 @@ class Scheduler:
         work = _Work()
         decoding = [r for r in self.running if not r.prefilling]
         budget = self.config.step_rows - len(decoding)
-        floor = self._least_value(len(decoding), budget)
+        floor = self._least_value(decoding, budget)
         plans = [self._propose(r, floor) for r in decoding]
         trims = self._trims([d for _, _, d in plans], budget, len(decoding))
         for running, n, (shape, proposed, draft) in zip(decoding, trims, plans, strict=True):
@@ -257,14 +257,19 @@ class Scheduler:
                 budget -= rows
         return work
 
-    def _least_value(self, roots: int, budget: int) -> float:
+    def _least_value(self, decoding: list[Running], budget: int) -> float:
         """θ of this step's allocation (`least_paying_value`; 0 when the batch does not
-        allocate): what a request's best draft node must be worth to be worth proposing."""
-        if not self.config.goodput or budget < 1:
+        allocate or no request drafts through a goodput gate, so that plain decoding never
+        measures the model's cost curve): what a request's best draft node must be worth to be
+        worth proposing."""
+        gated = any(isinstance(r.req.gate, GoodputGate) for r in decoding)
+        if not self.config.goodput or budget < 1 or not gated:
             return 0.0
         prefill = min(budget, sum(self._prompt_left(r) for r in self.running))
-        fixed = roots + prefill
-        return least_paying_value(roots, fixed, self.generator.cost_curve(), budget - prefill)
+        fixed = len(decoding) + prefill
+        return least_paying_value(
+            len(decoding), fixed, self.generator.cost_curve(), budget - prefill
+        )
 
     @staticmethod
     def _propose(running: Running, floor: float) -> tuple[DraftShape, Draft, Draft]:
