@@ -19,6 +19,7 @@ from types import ModuleType
 import pytest
 
 from specfork.bench.load import (
+    LIBRARY_PROMPTS,
     InProcessServers,
     LevelRun,
     LoadConfig,
@@ -164,6 +165,20 @@ def test_figures_ratios_and_text_mismatch_named() -> None:
     table = report.markdown()
     assert "| ngram, max-running 1 | 2 | 4 |" in table and "| no (2 of 4) |" in table
     assert report.to_json()["same_text"] is False
+
+
+def test_server_decode_speed_is_read_on_the_library_checks_prompts() -> None:
+    """The library's decode check runs the first LIBRARY_PROMPTS prompts: the server's figure
+    beside it comes from its requests on those prompts, not from longer ones."""
+    config = configurations([("ar (plain)", PLAIN)], max_running=2)[0]
+    speeds = {0: 200.0, 1: 220.0, LIBRARY_PROMPTS: 50.0, LIBRARY_PROMPTS + 1: 40.0}
+    samples = [RequestSample(p, "t", 4, 1.0, 0.1, tps, 1.0, 4) for p, tps in speeds.items()]
+    row = summarize(SweepResult([LevelRun(config.label, 0, 1, 4.0, samples)], {}), [config])[0]
+    assert row.server_decode_tps == 210.0  # all four requests: 120.0
+    later = range(LIBRARY_PROMPTS, LIBRARY_PROMPTS + 3)
+    others = [RequestSample(p, "t", 4, 1.0, 0.1, 26.0 + p, 1.0, 4) for p in later]
+    row = summarize(SweepResult([LevelRun(config.label, 0, 1, 4.0, others)], {}), [config])[0]
+    assert row.server_decode_tps == 27.0 + LIBRARY_PROMPTS  # none on those prompts: all requests
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specfork.bench.load import LevelRun, LoadConfig, LoadSettings, SweepResult
+from specfork.bench.load import (
+    LIBRARY_PROMPTS,
+    LevelRun,
+    LoadConfig,
+    LoadSettings,
+    SweepResult,
+)
 from specfork.bench.report import md_table
 
 _EXCERPT = 60  # characters of a prompt or text shown in a mismatch line
@@ -39,7 +45,7 @@ class Row:
     ttft_p50: float
     mean_accepted: float
     differing: int  # requests (all repeats) whose text is not the prompt's reference text
-    server_decode_tps: float  # median over requests and repeats
+    server_decode_tps: float  # median over repeats' requests on the library check's prompts
 
 
 @dataclass(frozen=True)
@@ -105,8 +111,17 @@ def _row(key: tuple[str, int], runs: list[LevelRun], differing: int) -> Row:
         ttft_p50=median(lambda r: r.ttft_p50),
         mean_accepted=median(lambda r: r.mean_accepted),
         differing=differing,
-        server_decode_tps=statistics.median(s.decode_tps for r in runs for s in r.samples),
+        server_decode_tps=_library_prompts_tps(runs),
     )
+
+
+def _library_prompts_tps(runs: list[LevelRun]) -> float:
+    """Median decode tokens/s of the requests on the prompts the library's check runs (the
+    first LIBRARY_PROMPTS), so server and library compare on the same contexts: a long prompt
+    makes every decode step slower. All requests where none asked those prompts."""
+    speeds = [s.decode_tps for r in runs for s in r.samples]
+    same = [s.decode_tps for r in runs for s in r.samples if s.prompt < LIBRARY_PROMPTS]
+    return statistics.median(same or speeds)
 
 
 def ratios(
