@@ -10,8 +10,8 @@ medians over repeats are shown.
 Prints (and with --out writes table.md) a table of requests/s, generated tokens/s, p50/p95
 latency and p50 time to first token (client side, queueing included) per configuration and
 concurrency, the tokens/s ratios speculation on / off and max-running N / max-running 1, and one
-request's decode speed through the server against the library's `Generator.generate` on the
-same prompts. --out also writes results.json (every request) and load.png (tokens/s against
+request's decode speed and latency through the server against the library's
+`Generator.generate` on the same prompts. --out also writes results.json (every request) and load.png (tokens/s against
 concurrency). Every configuration must return the same greedy text for the same prompt at every
 concurrency: a difference is listed with its prompt and the run exits with status 1.
 

@@ -22,6 +22,7 @@ from specfork.bench.load import (
     LIBRARY_PROMPTS,
     InProcessServers,
     LevelRun,
+    LibraryCheck,
     LoadConfig,
     LoadSettings,
     RequestSample,
@@ -172,9 +173,10 @@ def test_server_decode_speed_is_read_on_the_library_checks_prompts() -> None:
     beside it comes from its requests on those prompts, not from longer ones."""
     config = configurations([("ar (plain)", PLAIN)], max_running=2)[0]
     speeds = {0: 200.0, 1: 220.0, LIBRARY_PROMPTS: 50.0, LIBRARY_PROMPTS + 1: 40.0}
-    samples = [RequestSample(p, "t", 4, 1.0, 0.1, tps, 1.0, 4) for p, tps in speeds.items()]
+    samples = [RequestSample(p, "t", 4, 40 / tps, 0.1, tps, 1.0, 4) for p, tps in speeds.items()]
     row = summarize(SweepResult([LevelRun(config.label, 0, 1, 4.0, samples)], {}), [config])[0]
     assert row.server_decode_tps == 210.0  # all four requests: 120.0
+    assert row.server_latency == pytest.approx((40 / 200 + 40 / 220) / 2)
     later = range(LIBRARY_PROMPTS, LIBRARY_PROMPTS + 3)
     others = [RequestSample(p, "t", 4, 1.0, 0.1, 26.0 + p, 1.0, 4) for p in later]
     row = summarize(SweepResult([LevelRun(config.label, 0, 1, 4.0, others)], {}), [config])[0]
@@ -216,6 +218,10 @@ def test_load_run_end_to_end(script: ModuleType, tiny_folder: Path, tmp_path: Pa
     assert doc["same_text"] is True and doc["text_mismatches"] == []
     assert doc["step_rows"] == 3  # steps of 3 rows: prompts are split, texts the same
     assert sorted(doc["library_decode_tokens_per_s"]) == ["ar (plain)", "speculative ngram k=4"]
+    latencies = doc["library_latency_s"]
+    assert sorted(latencies) == ["ar (plain)", "speculative ngram k=4"]
+    assert all(len(v) == 1 and v[0] > 0 for v in latencies.values())  # one repeat
+    assert all(s["server_latency"] > 0 for s in doc["summary"])
     assert len(doc["summary"]) == 8 and doc["settings"]["concurrency"] == [1, 2]
     assert list(doc["ratios"]["speculation on / off"]) == [
         "speculative ngram k=4, max-running 2 / ar (plain)",
@@ -225,6 +231,7 @@ def test_load_run_end_to_end(script: ModuleType, tiny_folder: Path, tmp_path: Pa
     for label in labels:
         assert f"| {label} | 1 | 4 |" in table and f"| {label} | 2 | 4 |" in table
     assert "speculation on / off" in table and "max-running N / max-running 1" in table
+    assert "latency (s), server (1 client)" in table  # the lone request against the library
 
 
 class _TwoModels:
@@ -239,8 +246,8 @@ class _TwoModels:
     def serve(self, config: LoadConfig, queue_size: int) -> AbstractContextManager[str]:
         return self._pick(config.spec).serve(config, queue_size)
 
-    def library_decode_tps(self, spec: SpecConfig, prompts: Sequence[str], n: int) -> float:
-        return self._pick(spec).library_decode_tps(spec, prompts, n)
+    def library_check(self, spec: SpecConfig, prompts: Sequence[str], n: int) -> LibraryCheck:
+        return self._pick(spec).library_check(spec, prompts, n)
 
 
 @pytest.mark.usefixtures("one_thread")

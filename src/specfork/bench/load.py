@@ -258,17 +258,25 @@ class Servers(Protocol):
         """A running server of `config`; yields its base URL (http://host:port)."""
         ...
 
-    def library_decode_tps(
+    def library_check(
         self, spec: SpecConfig, prompts: Sequence[str], max_tokens: int
-    ) -> float:
-        """Median decode tokens/s of the library on `prompts`, one at a time."""
+    ) -> LibraryCheck:
+        """The library's own figures on `prompts`, one request at a time."""
         ...
+
+
+@dataclass(frozen=True)
+class LibraryCheck:
+    """`Generator.generate` on the first prompts, one at a time: medians over the prompts."""
+
+    decode_tps: float  # decode tokens/s (prefill excluded)
+    latency: float  # seconds a whole call takes (templating and prefill included)
 
 
 @dataclass
 class SweepResult:
     runs: list[LevelRun]
-    library: dict[str, list[float]]  # strategy label -> decode tokens/s, one per repeat
+    library: dict[str, list[LibraryCheck]]  # strategy label -> one check per repeat
 
 
 def sweep(
@@ -287,8 +295,8 @@ def sweep(
         for config in configs:
             if config.strategy not in measured:
                 measured.add(config.strategy)
-                speed = servers.library_decode_tps(config.spec, first, settings.max_tokens)
-                result.library.setdefault(config.strategy, []).append(speed)
+                check = servers.library_check(config.spec, first, settings.max_tokens)
+                result.library.setdefault(config.strategy, []).append(check)
             with servers.serve(config, queue_size=most) as url:
                 result.runs += _levels(url, config, repeat, prompts, settings, progress)
     return result
@@ -361,17 +369,19 @@ class InProcessServers:
         with serve_in_background(app) as url:
             yield url
 
-    def library_decode_tps(
+    def library_check(
         self, spec: SpecConfig, prompts: Sequence[str], max_tokens: int
-    ) -> float:
+    ) -> LibraryCheck:
         generator = self.generator(spec)
-        return self.thread.submit(_library_decode_tps, generator, prompts, max_tokens).result()
+        return self.thread.submit(_library_check, generator, prompts, max_tokens).result()
 
 
-def _library_decode_tps(generator: Any, prompts: Sequence[str], max_tokens: int) -> float:
+def _library_check(generator: Any, prompts: Sequence[str], max_tokens: int) -> LibraryCheck:
     config = GenerationConfig(max_new_tokens=max_tokens, ignore_eos=True)
-    speeds = []
+    speeds, latencies = [], []
     for prompt in prompts:
+        start = time.perf_counter()
         result = generator.generate([{"role": "user", "content": prompt}], config=config)
+        latencies.append(time.perf_counter() - start)
         speeds.append(result.stats.decode_tokens_per_second)
-    return statistics.median(speeds)
+    return LibraryCheck(statistics.median(speeds), statistics.median(latencies))

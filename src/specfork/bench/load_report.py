@@ -22,8 +22,10 @@ from typing import Any
 from specfork.bench.load import (
     LIBRARY_PROMPTS,
     LevelRun,
+    LibraryCheck,
     LoadConfig,
     LoadSettings,
+    RequestSample,
     SweepResult,
 )
 from specfork.bench.report import md_table
@@ -46,6 +48,7 @@ class Row:
     mean_accepted: float
     differing: int  # requests (all repeats) whose text is not the prompt's reference text
     server_decode_tps: float  # median over repeats' requests on the library check's prompts
+    server_latency: float  # the same requests' median latency (seconds, client side)
 
 
 @dataclass(frozen=True)
@@ -111,17 +114,18 @@ def _row(key: tuple[str, int], runs: list[LevelRun], differing: int) -> Row:
         ttft_p50=median(lambda r: r.ttft_p50),
         mean_accepted=median(lambda r: r.mean_accepted),
         differing=differing,
-        server_decode_tps=_library_prompts_tps(runs),
+        server_decode_tps=_on_library_prompts(runs, lambda s: s.decode_tps),
+        server_latency=_on_library_prompts(runs, lambda s: s.latency),
     )
 
 
-def _library_prompts_tps(runs: list[LevelRun]) -> float:
-    """Median decode tokens/s of the requests on the prompts the library's check runs (the
-    first LIBRARY_PROMPTS), so server and library compare on the same contexts: a long prompt
-    makes every decode step slower. All requests where none asked those prompts."""
-    speeds = [s.decode_tps for r in runs for s in r.samples]
-    same = [s.decode_tps for r in runs for s in r.samples if s.prompt < LIBRARY_PROMPTS]
-    return statistics.median(same or speeds)
+def _on_library_prompts(runs: list[LevelRun], value: Callable[[RequestSample], float]) -> float:
+    """Median `value` of the requests on the prompts the library's check runs (the first
+    LIBRARY_PROMPTS), so server and library compare on the same contexts: a long prompt makes
+    prefill and every decode step slower. All requests where none asked those prompts."""
+    every = [value(s) for r in runs for s in r.samples]
+    same = [value(s) for r in runs for s in r.samples if s.prompt < LIBRARY_PROMPTS]
+    return statistics.median(same or every)
 
 
 def ratios(
@@ -193,7 +197,8 @@ class LoadReport:
             "settings": dataclasses.asdict(self.settings),
             "configurations": [_config_json(c) for c in self.configs],
             "prompts": self.prompts,
-            "library_decode_tokens_per_s": self.result.library,
+            "library_decode_tokens_per_s": _library_json(self.result.library, "decode_tps"),
+            "library_latency_s": _library_json(self.result.library, "latency"),
             "runs": [_run_json(r) for r in self.result.runs],
             "summary": [dataclasses.asdict(r) for r in self.rows],
             "ratios": self.ratios,
@@ -225,23 +230,40 @@ class LoadReport:
         return md_table(header, rows)
 
     def _library_table(self) -> str:
-        """One request's decode speed through the server (concurrency 1) against the library's
-        `Generator.generate` on the same prompts: a server slower per request shows up here."""
+        """One request through the server (concurrency 1) against the library's
+        `Generator.generate` on the same prompts: its decode speed and its whole latency (a
+        server slower per request shows up here)."""
         rows = []
         for config in self.configs:
             row = next(
                 (r for r in self.rows if r.config == config.label and r.concurrency == 1), None
             )
-            library = self.result.library.get(config.strategy)
-            if row is None or not library:
+            checks = self.result.library.get(config.strategy)
+            if row is None or not checks:
                 continue
-            lib = statistics.median(library)
-            ratio = f"{row.server_decode_tps / lib:.2f}" if lib else "n/a"
-            rows.append([config.label, f"{row.server_decode_tps:.1f}", f"{lib:.1f}", ratio])
+            tps = statistics.median(c.decode_tps for c in checks)
+            latency = statistics.median(c.latency for c in checks)
+            rows.append([config.label, f"{row.server_decode_tps:.1f}", f"{tps:.1f}",
+                         _ratio(row.server_decode_tps, tps), f"{row.server_latency:.3f}",
+                         f"{latency:.3f}", _ratio(row.server_latency, latency)])  # fmt: skip
         if not rows:
             return ""
-        header = ["configuration", "server (1 client)", "library", "server / library"]
-        return f"Decode tokens/s of one request, prefill excluded:\n\n{md_table(header, rows)}"
+        header = ["configuration", "decode tok/s, server (1 client)", "library",
+                  "server / library", "latency (s), server (1 client)", "library",
+                  "server / library"]  # fmt: skip
+        return (
+            f"One request at a time, on the library check's {LIBRARY_PROMPTS} prompts (decode "
+            f"speed without prefill; latency of the whole request, prefill included):\n\n"
+            f"{md_table(header, rows)}"
+        )
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "n/a"
+
+
+def _library_json(library: dict[str, list[LibraryCheck]], field: str) -> dict[str, list[float]]:
+    return {name: [getattr(c, field) for c in checks] for name, checks in library.items()}
 
 
 def _config_json(config: LoadConfig) -> dict[str, Any]:
