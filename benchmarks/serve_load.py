@@ -11,9 +11,10 @@ Prints (and with --out writes table.md) a table of requests/s, generated tokens/
 latency and p50 time to first token (client side, queueing included) per configuration and
 concurrency, the tokens/s ratios speculation on / off and max-running N / max-running 1, and one
 request's decode speed and latency through the server against the library's
-`Generator.generate` on the same prompts. --out also writes results.json (every request) and load.png (tokens/s against
-concurrency). Every configuration must return the same greedy text for the same prompt at every
-concurrency: a difference is listed with its prompt and the run exits with status 1.
+`Generator.generate` on the same prompts. --out also writes results.json (every request) and
+load.png (tokens/s against concurrency). Every configuration must return the same greedy text
+for the same prompt at every concurrency: a difference is listed with its prompt and the run
+exits with status 1.
 
     python benchmarks/serve_load.py --prompts benchmarks/prompts/specbench-dev.jsonl \
         --concurrency 1,2,4,8,16,32 --requests 16 --max-tokens 64 --repeats 2 --out load-out
