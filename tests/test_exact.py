@@ -74,6 +74,28 @@ def test_a_rows_logits_do_not_depend_on_the_row_count(loaded: LoadedModel) -> No
         assert torch.equal(block, one_at_a_time[:rows]), rows
 
 
+@pytest.mark.parametrize("dtype", ["gguf", "bfloat16", "float32"])
+def test_rows_read_the_cache_in_place_or_copied_alike(dtype: str) -> None:
+    """One or two rows read a chunk of their cache in place (fp16, bf16 or fp32 keys), more
+    rows read a float copy of it: after a 300-token context (chunks of 128 slots, the last
+    partial block of 16 keys in each) the logits are bitwise the same either way."""
+    model = load_model("smollm2-135m-instruct", dtype=dtype, kernels=True, progress=False).model
+    ids = [(7 * i) % 40000 + 100 for i in range(300)]
+    chain = list(range(1000, 1008))
+    cache = model.new_cache(len(ids) + 16)
+    with torch.inference_mode():
+        model.extend(ids, cache)
+        one_at_a_time = torch.stack([model.extend([t], cache) for t in chain])  # [8, V]
+        for rows in (2, 5, 8):
+            cache.truncate(len(ids))
+            block = model.logits(
+                model(
+                    torch.tensor(chain[:rows])[None], torch.arange(len(ids), len(ids) + rows), cache
+                )[0]
+            )
+            assert torch.equal(block, one_at_a_time[:rows]), (dtype, rows)
+
+
 def test_a_path_in_a_tree_equals_the_chain(loaded: LoadedModel) -> None:
     """Branch A (root, a1, a2, a3) interleaved with branch B in slot order, built by the
     engine's own tree functions."""
