@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.constraint import Constraint
 from specfork.engine import Generator
-from specfork.engine.batch import Scheduler
+from specfork.engine.batch import BatchConfig, Scheduler
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.models.cost import CostCurve
 from specfork.server.app import create_app
@@ -184,3 +185,60 @@ def test_a_kv_budget_holds_the_next_job_until_memory_frees(loaded: LoadedModel) 
         assert count > 0 and float(ones.group(1)) == count
 
     asyncio.run(scenario())
+
+
+class _BrokenGrammar:
+    """Stands in for a request's grammar that fails in the middle of decoding (a fault of that
+    request alone: its masks, its drafter or its sampler)."""
+
+    finished = False
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"broken grammar ({name})")
+
+
+def test_a_request_that_fails_in_a_step_leaves_alone(loaded: LoadedModel) -> None:
+    """The failing request leaves the batch with its error and its cache freed; the others
+    finish with their lone outputs."""
+    gen = Generator(loaded, cost_curve=CURVE)
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    alone = [gen.generate(p, chat=False, config=config).text for p in PROMPTS[:3]]
+    batch = Scheduler(gen, BatchConfig(max_running=4))
+    handles = [batch.add(_ids(gen, p), config=config) for p in PROMPTS[:3]]
+    updates = batch.step() + batch.step()  # prompts read, first tokens out: all decoding
+    assert not any(h.prefilling for h in handles)
+    handles[1].req.grammar = _BrokenGrammar()
+    while batch.running:
+        updates += batch.step()
+    failed = [u for u in updates if u.error is not None]
+    assert [u.running for u in failed] == [handles[1]]
+    assert "broken grammar" in str(failed[0].error)
+    assert handles[1].finished and handles[1].req.out.finish_reason == "error"
+    texts = {id(u.running): u.result.text for u in updates if u.result is not None}
+    assert texts == {id(handles[0]): alone[0], id(handles[2]): alone[2]}
+
+
+def test_a_grammar_that_matches_nothing_fails_only_its_own_job(loaded: LoadedModel) -> None:
+    """A 400 naming response_format for it; its neighbours in the batch finish normally."""
+    gen = Generator(loaded, cost_curve=CURVE)
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    bad = GenerationConfig(max_new_tokens=40, constraint=Constraint.regex(r"[^\s\S]"))
+    alone = [gen.generate(p, chat=False, config=config).text for p in PROMPTS[:2]]
+
+    async def scenario() -> list[list[Event]]:
+        worker = EngineWorker(gen, ServerMetrics(), ServerSettings("tiny", max_running=4))
+        jobs = [Job(_ids(gen, p), config, SamplingParams(), None, deltas=True) for p in PROMPTS[:2]]
+        jobs.insert(1, Job(_ids(gen, PROMPTS[2]), bad, SamplingParams(), None, deltas=True))
+        for job in jobs:
+            worker.submit(job)
+        worker.start()
+        try:
+            return [await _events(job) for job in jobs]
+        finally:
+            worker.stop()
+
+    first, refused, second = asyncio.run(scenario())
+    error = refused[-1].error
+    assert refused[-1].kind == "error" and error.status == 400
+    assert error.param == "response_format" and "matches no text" in error.message
+    assert [first[-1].result.text, second[-1].result.text] == alone

@@ -34,7 +34,7 @@ from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
 from specfork.engine import Generator
 from specfork.engine.grammar import GrammarState, grammar_tokenizer
 from specfork.engine.round import constrained
-from specfork.errors import ConfigError
+from specfork.errors import ConfigError, ConstraintError
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.sampling import probabilities, sample
 from specfork.tree import Tree
@@ -102,6 +102,32 @@ def test_bad_constraints_are_config_errors(make, words: str) -> None:
     with pytest.raises(ConfigError, match=words) as info:
         make()
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Constraint.regex(r"[^\s\S]"),
+        lambda: Constraint.regex("[a&&b]"),
+        lambda: Constraint.json_schema({"$ref": "#"}),
+        lambda: Constraint.json_schema(
+            {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+        ),
+    ],
+)
+def test_a_constraint_that_matches_no_text_is_refused_before_decoding(
+    tiny: LoadedModel, make
+) -> None:
+    """These compile, yet no text satisfies them: the request is refused when it opens (a
+    ConstraintError naming the fix), not by a failed mask in the middle of a batch's step."""
+    constraint = make()
+    with pytest.raises(ConstraintError, match=r"matches no text at all.*fix the pattern"):
+        _state(tiny, constraint)
+    gen = Generator(tiny)
+    with pytest.raises(ConstraintError, match="matches no text at all"):
+        gen.generate("x", chat=False, config=GenerationConfig(constraint=constraint))
+    ok = _state(tiny, Constraint.regex("[0-9]+"))
+    assert ok.mask().sum() == 10 and ok.mask().sum() == 10  # the first mask, then recomputed
 
 
 def test_constraints_compare_by_source() -> None:

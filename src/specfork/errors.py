@@ -22,5 +22,10 @@ class ConfigError(SpecforkError):
     """An invalid configuration value (sampling parameters, generation limits, ...)."""
 
 
+class ConstraintError(ConfigError):
+    """A constraint (JSON schema, regex) that cannot drive generation: it matches no text, or
+    this model's tokenizer cannot follow it."""
+
+
 class PromptError(SpecforkError):
     """A prompt that cannot be run: empty, or longer than the model's context."""

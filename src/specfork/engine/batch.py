@@ -119,11 +119,13 @@ class Running:
 
 @dataclass(frozen=True, slots=True)
 class Update:
-    """What a step did for one request: new text, and its result when it ended."""
+    """What a step did for one request: new text, and its result when it ended — or the error
+    that ended it (the request left the batch; the others went on)."""
 
     running: Running
     text: str
     result: GenerationResult | None = None
+    error: Exception | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +164,7 @@ class Scheduler:
         self.config = config or BatchConfig()
         self.running: list[Running] = []
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
+        self._failed: list[Update] = []  # requests a step ended with an error of their own
         size = self.config.prefix_cache_bytes
         self.prefix = PrefixCache(size) if size else None
 
@@ -216,6 +219,17 @@ class Scheduler:
             running.finished = True
             self.generator.release(running.req, keep=self.config.max_running)
 
+    def _fail(self, running: Running, exc: Exception) -> None:
+        """A request whose own work raised (its grammar, its drafter, its sampler) leaves the
+        batch with the error, its cache freed; the step goes on for the others."""
+        log.error("a request failed and left the batch: %s", exc, exc_info=exc)
+        if running in self.running:  # (not when it failed after leaving: its cache went back)
+            self.running.remove(running)
+            self.generator.release(running.req, keep=self.config.max_running)
+        running.req.out.finish("error")
+        running.finished = True
+        self._failed.append(Update(running, "", error=exc))
+
     def last_step(self) -> StepRecord | None:
         """The record of the latest step (None before the first)."""
         return self.steps[-1] if self.steps else None
@@ -226,13 +240,19 @@ class Scheduler:
         if not self.running:
             return []
         t0 = time.perf_counter()
+        self._failed = []
         with torch.inference_mode():
             work = self._schedule()
             hidden, captured, capture = self._run(work)
             tokens = self._postprocess(work, hidden, captured, capture)
-        updates = [self._emit(r, toks) for r, toks in tokens]
+        updates = []
+        for running, toks in tokens:
+            try:
+                updates.append(self._emit(running, toks))
+            except Exception as exc:  # this request's own failure
+                self._fail(running, exc)
         self._record(work, t0)
-        return updates
+        return updates + self._failed
 
     def _schedule(self) -> _Work:
         """Plan every decoding request's round, trim the drafts together, and give the rows
@@ -241,10 +261,21 @@ class Scheduler:
         decoding = [r for r in self.running if not r.prefilling]
         budget = self.config.step_rows - len(decoding)
         floor = self._least_value(decoding, budget)
-        plans = [self._propose(r, floor) for r in decoding]
+        proposals = {}
+        for running in decoding:
+            try:
+                proposals[id(running)] = self._propose(running, floor)
+            except Exception as exc:  # this request's own failure
+                self._fail(running, exc)
+        decoding = self._decoding()
+        plans = [proposals[id(r)] for r in decoding]
         trims = self._trims([d for _, _, d in plans], budget, len(decoding))
         for running, n, (shape, proposed, draft) in zip(decoding, trims, plans, strict=True):
-            planned = plan_round(running.req, (shape, proposed, draft), n)
+            try:
+                planned = plan_round(running.req, (shape, proposed, draft), n)
+            except Exception as exc:  # this request's own failure
+                self._fail(running, exc)
+                continue
             work.rounds.append((running, planned))
             work.predicted += sum(self._values(running.req, planned.draft))
             work.segments.append(round_segment(running.req, planned.draft, self.model.device))
@@ -382,11 +413,18 @@ class Scheduler:
         for i, (running, planned) in enumerate(work.rounds):
             a, b = spans[i]
             mine = self._captured(running.req, captured, capture, a, b)
-            out.append((running, finish_round(running.req, planned, logits[i], mine)))
+            try:
+                out.append((running, finish_round(running.req, planned, logits[i], mine)))
+            except Exception as exc:  # this request's own failure
+                self._fail(running, exc)
         for j, (running, rows) in enumerate(work.chunks):
             a, b = spans[len(work.rounds) + j]
             mine = self._captured(running.req, captured, capture, a, b)
-            tokens = self._prompt_done(running, rows, logits[len(work.rounds) + j], mine)
+            try:
+                tokens = self._prompt_done(running, rows, logits[len(work.rounds) + j], mine)
+            except Exception as exc:  # this request's own failure
+                self._fail(running, exc)
+                continue
             if tokens:
                 out.append((running, tokens))
         return out
@@ -502,6 +540,8 @@ def generate_batch(
             running = scheduler.add(prompt, config=config, sampling=sampling[i], spec=spec)
             index[id(running)] = i
         for update in scheduler.step():
+            if update.error is not None:
+                raise update.error
             if update.result is not None:
                 results[index.pop(id(update.running))] = update.result
     return [results[i] for i in range(len(prompts))]

@@ -28,7 +28,7 @@ import torch
 
 from specfork.constraint import Constraint
 from specfork.drafters.base import Draft
-from specfork.errors import ConfigError
+from specfork.errors import ConstraintError
 from specfork.loading.tokenizer import Tokenizer
 from specfork.tree import children, prune
 
@@ -41,7 +41,7 @@ def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTok
     """llguidance's view of the model's tokenizer (costs ~0.2 s: build once per model)."""
     backend = getattr(tokenizer, "_backend", None)
     if backend is None or not tokenizer.eos_ids:
-        raise ConfigError(
+        raise ConstraintError(
             "this model's tokenizer has no fast tokenizer or no end-of-sequence token, which "
             "constrained output needs; drop the JSON schema / regex constraint"
         )
@@ -50,7 +50,7 @@ def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTok
             backend.to_str(), n_vocab=vocab_size, eos_token=sorted(tokenizer.eos_ids)
         )
     except (ValueError, RuntimeError) as exc:
-        raise ConfigError(
+        raise ConstraintError(
             f"this model's tokenizer cannot drive a grammar ({exc}); drop the JSON schema / "
             "regex constraint"
         ) from None
@@ -65,12 +65,27 @@ class GrammarState:
         self.words = (vocab + 31) // 32  # int32 words of one bitmask row
         self.matcher = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
         if self.matcher.is_error():
-            raise ConfigError(
+            raise ConstraintError(
                 f"the {constraint.describe()} constraint cannot be compiled for this model: "
                 f"{self.matcher.get_error().strip().splitlines()[0]}"
             )
         self.mask_seconds = 0.0  # time spent computing masks and walking drafts
         self.masks = 0  # rows masked
+        self._first = self._first_mask(constraint)  # [1, W] the mask before any token
+
+    def _first_mask(self, constraint: Constraint) -> torch.Tensor:
+        """The first mask, computed now so that a grammar whose language is empty (it compiles,
+        yet no text matches it) is refused with the request instead of failing mid-step."""
+        bits = torch.zeros(1, self.words, dtype=torch.int32)  # [1, W]
+        self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+        self.masks += 1
+        if self.matcher.is_error() or not bool(bits.any()):
+            raise ConstraintError(
+                f"the {constraint.describe()} constraint matches no text at all (for example "
+                "an empty character class such as [^\\s\\S], or a $ref that only refers to "
+                "itself); fix the pattern or schema so that some text satisfies it"
+            )
+        return bits
 
     @property
     def finished(self) -> bool:
@@ -80,8 +95,10 @@ class GrammarState:
     def mask(self) -> torch.Tensor:
         """The tokens allowed next [V] bool."""
         t0 = time.perf_counter()
-        bits = torch.zeros(1, self.words, dtype=torch.int32)  # [1, W]
-        self._fill(bits, 0)
+        bits, self._first = self._first, None
+        if bits is None:
+            bits = torch.zeros(1, self.words, dtype=torch.int32)  # [1, W]
+            self._fill(bits, 0)
         allowed = self._unpack(bits)[0]
         self.mask_seconds += time.perf_counter() - t0
         return allowed
@@ -103,6 +120,7 @@ class GrammarState:
     def advance(self, tokens: list[int]) -> list[int]:
         """Consume a round's emitted tokens (each one the masks allowed); returns them up to
         the one that completes the grammar (nothing may follow it)."""
+        self._first = None
         for i, token in enumerate(tokens):
             if not self.matcher.consume_token(token):
                 raise RuntimeError(f"the grammar refused emitted token {token}: {self._error()}")

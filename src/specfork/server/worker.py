@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.engine.batch import BatchConfig, Scheduler, StepRecord, Update
 from specfork.engine.thread import model_thread
-from specfork.errors import PromptError, SpecforkError
+from specfork.errors import ConstraintError, PromptError, SpecforkError
 from specfork.server.metrics import ServerMetrics
 from specfork.server.schemas import APIError, RequestLimits
 from specfork.server.security import LOOPBACK_HOSTS, host_name
@@ -442,6 +442,10 @@ class EngineWorker:
         spec, plain = self._choose_spec(job.spec)
         try:
             handle = self._batch.add(job.ids, config=job.config, sampling=job.sampling, spec=spec)
+        except ConstraintError as exc:
+            error = APIError(str(exc), param="response_format", code="invalid_response_format")
+            job.emit(Event("error", error=error))
+            return
         except SpecforkError as exc:
             param = job.prompt_param if isinstance(exc, PromptError) else None
             job.emit(Event("error", error=APIError(str(exc), param=param)))
@@ -474,6 +478,10 @@ class EngineWorker:
         if state is None:
             return []
         job, events, result = state.job, [], update.result
+        if update.error is not None:  # this request's own failure: it alone ends (logged)
+            del self._jobs[id(update.running)]
+            error = APIError("internal server error while generating this request", status=500)
+            return [(job, Event("error", error=error))]
         if job.deltas:
             state.pending += update.text
             now = time.perf_counter()
