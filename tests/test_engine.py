@@ -264,6 +264,18 @@ def test_out_of_vocab_prompt_ids(gen: Generator, smollm_f32: LoadedModel) -> Non
 
 
 @pytest.mark.slow
+def test_more_messages_than_the_context_holds_are_refused_before_rendering(
+    smollm_f32: LoadedModel,
+) -> None:
+    small = Generator(smollm_f32, max_context=64)
+    with pytest.raises(PromptError, match="64 messages cannot fit a context of 64 tokens"):
+        small.encode_prompt([{"role": "user", "content": "a"}] * 64)
+    with pytest.raises(PromptError, match="context holds 64"):  # rendered, then too long
+        small.stream([{"role": "user", "content": "a"}] * 20)
+    assert len(small.encode_prompt([{"role": "user", "content": "a"}] * 2)) < 64
+
+
+@pytest.mark.slow
 def test_context_limit(smollm_f32: LoadedModel, gen: Generator) -> None:
     small = Generator(smollm_f32, max_context=64)
     assert small.context == 64

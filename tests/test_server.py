@@ -312,6 +312,11 @@ BAD = [
      "response_format"),
     ("completions", {"prompt": "hi", "response_format": {"type": "regex", "regex": "(("}},
      "response_format"),
+    ("completions", {"prompt": "hi", "response_format": {"type": "regex", "regex": r"[^\s\S]"}},
+     "response_format"),  # compiles, matches nothing: refused as the request opens
+    ("chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format"),
 ]  # fmt: skip
 
 
@@ -326,6 +331,17 @@ def test_bad_input_is_400(served: Served, path: str, body: bytes | dict, param: 
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", ["max_tokens", "model", "temperature", "seed"])
+def test_a_huge_bad_value_is_not_echoed_whole(served: Served, field: str) -> None:
+    body = {"prompt": "hi", field: "x" * 2_000_000}
+    resp = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text[:300]
+    error = resp.json()["error"]
+    assert len(resp.content) < 2_000 and field in error["message"]
+    assert "characters elided" in error["message"]
 
 
 PERSON = {
@@ -685,3 +701,52 @@ def test_exact_requests(served: Served) -> None:
         assert resp.status_code == 400
         assert "batch-invariant" in resp.json()["error"]["message"]
         assert httpx.post(f"{url}/v1/completions", json={**body, "exact": False}).status_code == 200
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grace", [1, 5])
+def test_shutdown_answers_every_request(smollm_f32: LoadedModel, grace: int) -> None:
+    """On shutdown a waiting request gets a 503 in OpenAI's shape (at once); a running stream
+    ends with an error event and [DONE] a second before the grace period ends — never cut
+    off by uvicorn's cancellation, never a plain-text 500."""
+    import uvicorn
+
+    from specfork.server.run import bind_socket
+    from specfork.server.shutdown import DrainingServer
+
+    app = create_app(Generator(smollm_f32, max_context=CONTEXT), model_name=MODEL, max_running=1)
+    worker = app.state.worker
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=grace)
+    server, sock = DrainingServer(config, worker), bind_socket("127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    _until(lambda: server.started, "the server to start")
+    url = "http://{}:{}/v1/completions".format(*sock.getsockname()[:2])
+    body = {"prompt": PROMPT, "max_tokens": CONTEXT - 64, "temperature": 0, "ignore_eos": True}
+    answers: dict[str, object] = {}
+
+    def stream() -> None:
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as resp:
+            answers["stream"] = (resp.status_code, [line for line in resp.iter_lines() if line])
+
+    def waiting() -> None:
+        resp = httpx.post(url, json=body, timeout=60)
+        answers["waiting"] = (resp.status_code, resp.json())
+
+    clients = [threading.Thread(target=stream)]
+    clients[0].start()
+    _until(lambda: len(worker._jobs) == 1, "the stream to run")
+    clients.append(threading.Thread(target=waiting))
+    clients[1].start()
+    _until(lambda: worker.depth == 1, "the second request to wait")
+    server.should_exit = True
+    for client in clients:
+        client.join(60)
+    thread.join(30)
+    sock.close()
+    status, error = answers["waiting"]
+    assert status == 503 and error["error"]["message"] == "the server is shutting down"
+    status, lines = answers["stream"]
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    assert "the server is shutting down" in lines[-2]
+    assert not thread.is_alive()

@@ -31,7 +31,7 @@ from specfork.loading import gguf_tokenizer
 from specfork.loading.gguf_tokenizer import SIDECAR_FILE, gguf_cache_key
 from specfork.loading.registry import resolve_model
 from specfork.loading.stream_decode import StreamDecoder
-from specfork.loading.tokenizer import TOKENIZER_FILE, Tokenizer
+from specfork.loading.tokenizer import LONG_TEXT, TOKENIZER_FILE, Tokenizer
 
 REPLACEMENT = "\ufffd"
 CORPUS = [
@@ -217,6 +217,16 @@ def test_folder_encode_decode_match_transformers(any_folder: Path) -> None:
             for skip in (True, False):
                 expected = reference.decode(ids, skip_special_tokens=skip)
                 assert tokenizer.decode(ids, skip_special_tokens=skip) == expected
+
+
+def test_long_texts_encode_as_short_ones(any_folder: Path) -> None:
+    """Past LONG_TEXT characters `encode` takes the batch call (which lets other threads run):
+    the same ids as transformers, special tokens or not."""
+    tokenizer, reference = Tokenizer.from_folder(any_folder), _hf_tokenizer(any_folder)
+    text = " ".join(TEXTS) * (LONG_TEXT // len(" ".join(TEXTS)) + 2)
+    assert len(text) > LONG_TEXT
+    for special in (True, False):
+        assert tokenizer.encode(text, special) == reference.encode(text, add_special_tokens=special)
 
 
 def test_encode_adds_bos_once(byte_folder: Path) -> None:

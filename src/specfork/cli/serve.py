@@ -181,8 +181,9 @@ def security_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, err_console: Console) -> int:
     """Validate the flags, load the model, serve until interrupted; returns the exit status."""
-    uvicorn = require_server_packages()
+    require_server_packages()
     from specfork.server.app import create_app
+    from specfork.server.shutdown import draining_server
     from specfork.strategies.policies import make_policy
 
     spec = spec_from_args(args, expected_length=args.default_max_tokens)
@@ -215,7 +216,7 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
         highlight=False,
     )
     level = "info" if getattr(args, "verbose", False) else "warning"
-    server = uvicorn.Server(uvicorn.Config(app, log_level=level, timeout_graceful_shutdown=5))
+    server = draining_server(app, app.state.worker, log_level=level)
     server.run(sockets=[sock])
     return 0
 

@@ -140,6 +140,11 @@ class Generator:
             messages = list(prompt)
             if not messages:
                 raise PromptError("the message list is empty; give at least one message")
+        if chat and len(messages) >= self.context:  # refused before the template renders them
+            raise PromptError(
+                f"{len(messages)} messages cannot fit a context of {self.context} tokens (each "
+                "message adds at least its role's tokens); send fewer messages"
+            )
         contents = (m.get("content", "") if isinstance(m, dict) else "" for m in messages)
         self._check_prompt_chars(sum(len(str(c)) for c in contents))
         if chat:

@@ -120,6 +120,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, internal)
 
 
+LARGE_BODY = 256 * 1024  # bytes: a request body this large is tokenized after the others
+
+
 class _Handlers:
     """The routes, bound to one engine worker."""
 
@@ -139,6 +142,9 @@ class _Handlers:
         )
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
+        # bodies this large are tokenized one at a time: however many arrive together (a
+        # prompt about to be refused as too long included), they take one core from decoding
+        self._large_prompts = asyncio.Semaphore(1)
 
     # -- simple routes --------------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
@@ -185,8 +191,9 @@ class _Handlers:
     async def _complete(self, request: Request, kind: Kind) -> Response:
         endpoint = ENDPOINTS[kind]
         try:
-            req = schemas.parse_request(await self._body(request), kind, self.ctx)
-            ids = await run_in_threadpool(self._encode, req)
+            body = await self._body(request)
+            req = schemas.parse_request(body, kind, self.ctx)
+            ids = await self._encode_in_turn(req, large=len(body) > LARGE_BODY)
             job = Job(
                 ids,
                 req.config,
@@ -239,6 +246,14 @@ class _Handlers:
                 raise APIError(f"the request body is over {limit} bytes", status=413)
             chunks.append(chunk)
         return b"".join(chunks)
+
+    async def _encode_in_turn(self, req: CompletionRequest, large: bool) -> list[int]:
+        """`_encode` in a thread-pool thread; a large body waits (without a thread) for the
+        large ones before it."""
+        if not large:
+            return await run_in_threadpool(self._encode, req)
+        async with self._large_prompts:
+            return await run_in_threadpool(self._encode, req)
 
     def _encode(self, req: CompletionRequest) -> list[int]:
         """Prompt token ids, checked against the context (runs in a thread-pool thread)."""

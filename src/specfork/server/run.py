@@ -46,10 +46,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 @contextmanager
 def serve_in_background(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
     """Run `app` with uvicorn in a thread; yields its base URL (http://host:port)."""
-    import uvicorn
+    from specfork.server.shutdown import draining_server
 
     sock = bind_socket(host, port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = draining_server(app, app.state.worker)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

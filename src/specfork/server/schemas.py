@@ -64,6 +64,18 @@ NEUTRAL = {
 }
 
 
+MAX_ERROR_CHARS = 1000  # an error message quoting a huge value keeps its start and its end
+
+
+def _bounded(message: str) -> str:
+    """`message`, its middle elided when it is longer than MAX_ERROR_CHARS (a bad value quoted
+    whole — megabytes of it — would make the answer as large as the request)."""
+    if len(message) <= MAX_ERROR_CHARS:
+        return message
+    cut = len(message) - MAX_ERROR_CHARS + 30
+    return f"{message[:700]} … ({cut} characters elided) … {message[700 + cut :]}"
+
+
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
@@ -77,6 +89,7 @@ class APIError(Exception):
         type: str | None = None,
         retry_after: int = 1,
     ) -> None:
+        message = _bounded(message)
         super().__init__(message)
         self.retry_after = retry_after  # seconds, sent as Retry-After with HTTP 429
         self.message = message

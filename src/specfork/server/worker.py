@@ -319,6 +319,7 @@ class EngineWorker:
         self._queue = JobQueue(settings.queue_size)
         self._lock = threading.Lock()
         self._stopping = False
+        self._draining = False
         self._batch = make_batch(engine, settings)
         self._jobs: dict[int, _Running] = {}  # the running jobs, by id of their batch handle
         self._executor = thread or model_thread()
@@ -340,23 +341,28 @@ class EngineWorker:
         running = self._running is not None and not self._running.done()
         return running and not self._stopping
 
+    @property
+    def busy(self) -> bool:
+        """Whether jobs are running or waiting."""
+        return bool(self._jobs) or self.depth > 0
+
     def start(self) -> None:
         self._running = self._executor.submit(self._run)
 
+    def drain(self) -> None:
+        """The start of a shutdown: new jobs get 503, so do the waiting ones; the running ones
+        go on (`stop` ends them)."""
+        with self._lock:
+            self._draining = True
+        self._fail_waiting()
+
     def stop(self, timeout: float = 10.0) -> None:
-        """Refuse new jobs, fail the waiting ones, stop the running one, end the thread."""
+        """Refuse new jobs, fail the waiting ones, end the running ones with 503 after the
+        step in progress (streams get an error event), end the thread."""
         with self._lock:
             self._stopping = True
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except IndexError:
-                break
-            if job is not None:
-                job.emit(Event("error", error=APIError("the server is shutting down", status=503)))
-        for state in list(self._jobs.values()):
-            state.job.cancel()
-        self._queue.put_nowait(None)
+        self._fail_waiting()
+        self._queue.put_nowait(None)  # wakes an idle thread; a busy one sees _stopping
         if self._running is not None:
             try:
                 self._running.result(timeout)
@@ -365,10 +371,19 @@ class EngineWorker:
         if self._owns_executor:
             self._executor.shutdown(wait=False)
 
+    def _fail_waiting(self) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except IndexError:
+                break
+            if job is not None:
+                job.emit(Event("error", error=APIError("the server is shutting down", status=503)))
+
     def submit(self, job: Job) -> None:
         """Queue a job; APIError 429 when the queue is full (503 when shutting down)."""
         with self._lock:
-            if self._stopping:
+            if self._stopping or self._draining:
                 raise APIError("the server is shutting down", status=503)
             job.on_cancel = self._left
             try:
@@ -411,6 +426,8 @@ class EngineWorker:
 
     def _admit(self) -> bool:
         """Waiting jobs join the batch while it has room; False once the stop signal came."""
+        if self._stopping:
+            return False
         batch = self._batch
         while batch.has_room():  # a slot; then KV memory for the next job in line
             taken, job = self._queue.get_if(
