@@ -108,6 +108,20 @@ def test_the_gate_prices_only_the_costly_sources_drafts_by_their_scores() -> Non
 def test_chain_sources_are_checked(drafter: str, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         SpecConfig("speculative", drafter)
+
+
+@pytest.mark.parametrize("drafter", ["recycle+recycle", "ngram+recycle+ngram"])
+def test_spork_sources_are_named_once(drafter: str) -> None:
+    with pytest.raises(ConfigError, match="names a source twice"):
+        SpecConfig("spork", drafter)
+
+
+def test_a_backwards_layer_range_says_so() -> None:
+    from specfork.drafters.model import parse_layers
+
+    with pytest.raises(ConfigError, match="'9-3' runs backwards: write 3-9"):
+        parse_layers("0,9-3", 30)
+    assert parse_layers("3-9", 30) == list(range(3, 10))
     SpecConfig("dspark", "ngram+head:/some/head+model:/some/draft.gguf")  # any order, any count
 
 

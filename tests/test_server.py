@@ -183,6 +183,8 @@ def test_models_health_metrics(served: Served) -> None:
     assert served.client.models.retrieve(MODEL).id == MODEL
     health = httpx.get(f"{served.url}/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
+    probe = httpx.head(f"{served.url}/health")  # load balancers' probes may use HEAD
+    assert probe.status_code == 200 and not probe.content
     text = httpx.get(f"{served.url}/metrics").text
     for name in (
         "specfork_requests_total",

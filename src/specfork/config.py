@@ -339,6 +339,9 @@ class SpecConfig:
                     )
         else:
             self._check_chain_sources()
+        sources = self.drafter.split("+")
+        if len(set(sources)) < len(sources):
+            raise ConfigError(f"drafter {self.drafter!r} names a source twice; name each once")
 
     def _check_chain_sources(self) -> None:
         """A chain drafter, or several joined by "+" (asked in order: the first draft wins)."""
@@ -350,8 +353,6 @@ class SpecConfig:
                     f"unknown drafter {source!r}; choose one of {', '.join(DRAFTERS)}, or "
                     f"several joined by '+' and asked in order (e.g. ngram+head){hint}"
                 )
-        if len(set(sources)) < len(sources):
-            raise ConfigError(f"drafter {self.drafter!r} names a source twice; name each once")
 
     def _check_spork(self) -> None:
         for name in ("forks", "depth", "budget"):

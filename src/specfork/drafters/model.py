@@ -233,6 +233,9 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
             first, last = int(lo), int(hi or lo)
             if first < 0 or last >= num_layers:  # checked before a huge range is built
                 raise out_of_range
+            if first > last:
+                part = part.strip()
+                raise ConfigError(f"layer range {part!r} runs backwards: write {last}-{first}")
             layers.update(range(first, last + 1))
     except ValueError as exc:
         raise ConfigError(f"bad layer list {spec!r}; use e.g. 0-11 or 0,2,4-7") from exc

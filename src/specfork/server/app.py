@@ -82,7 +82,7 @@ def create_app(
     app.add_api_route("/v1/chat/completions", handlers.chat, methods=["POST"])
     app.add_api_route("/v1/models", handlers.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", handlers.model, methods=["GET"])
-    app.add_api_route("/health", handlers.health, methods=["GET"])
+    app.add_api_route("/health", handlers.health, methods=["GET", "HEAD"])
     app.add_api_route("/metrics", handlers.metrics, methods=["GET"])
     return app
 

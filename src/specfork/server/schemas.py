@@ -178,7 +178,9 @@ def _load_object(body: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise APIError(f"the request body is not valid JSON ({exc})", code="invalid_json") from exc
+        reason = "an integer has over 4,300 digits" if "int_max_str_digits" in str(exc) else exc
+        message = f"the request body is not valid JSON ({reason})"
+        raise APIError(message, code="invalid_json") from exc
     if not isinstance(obj, dict):
         raise APIError("the request body must be a JSON object", code="invalid_json")
     _check_unicode(obj)
