@@ -303,6 +303,7 @@ BAD = [
     ("completions", {"prompt": "hi", "speculative": ADAPTED_TREE}, "speculative"),
     ("completions", {"prompt": "hi", "speculative": LOSSY}, "speculative.lossy_typical"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": "hi", "exact": 1}, "exact"),
     ("completions", {"prompt": [1, 99999999]}, "prompt"),
     ("chat/completions", {"messages": MESSAGES, "response_format": {"type": "yaml"}},

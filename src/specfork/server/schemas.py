@@ -169,7 +169,7 @@ def parse_request(body: bytes, kind: Kind, ctx: ParseContext) -> CompletionReque
         sampling=_sampling(obj),
         spec=_speculative(obj.get("speculative"), ctx.default_spec, limits),
         stream=stream,
-        include_usage=_include_usage(obj.get("stream_options")) and stream,
+        include_usage=_include_usage(obj.get("stream_options"), stream),
         max_tokens_given=max_tokens is not None,
     )
 
@@ -320,9 +320,14 @@ def _bool(obj: dict[str, Any], name: str) -> bool:
     return value
 
 
-def _include_usage(options: Any) -> bool:
+def _include_usage(options: Any, stream: bool) -> bool:
     if options is None:
         return False
+    if not stream:  # as OpenAI answers
+        raise APIError(
+            'stream_options is only allowed with "stream": true; leave it out or stream',
+            param="stream_options",
+        )
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise APIError('stream_options must be {"include_usage": bool}', param="stream_options")
     return options.get("include_usage", False)
