@@ -297,3 +297,18 @@ def test_a_bad_prompt_fails_before_anything_runs(loaded: LoadedModel) -> None:
     gen = _generator(loaded, STRATEGIES["ar"])
     with pytest.raises(Exception, match="empty"):
         generate_batch(gen, ["fine", "   "], config=GenerationConfig(max_new_tokens=2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"prompts": "hello"}, "prompts must be a list"),
+        ({"sampling": [{"temperature": 0.5}]}, "sampling must be a SamplingParams"),
+        ({"batch": {"max_running": 2}}, "batch must be a BatchConfig"),
+    ],
+)
+def test_generate_batch_refuses_wrong_types(loaded: LoadedModel, kwargs: dict, words: str) -> None:
+    """A string is not run as one prompt per letter; dicts are not taken for settings."""
+    args = {"prompts": ["ab"], **kwargs}
+    with pytest.raises(ConfigError, match=words):
+        generate_batch(Generator(loaded), args.pop("prompts"), chat=False, **args)

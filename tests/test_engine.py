@@ -18,7 +18,7 @@ from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
 from specfork.engine import GenerationResult, Generator
 from specfork.engine.thread import model_thread, run_in
 from specfork.errors import ConfigError, PromptError
-from specfork.loading.loader import LoadedModel
+from specfork.loading.loader import LoadedModel, load_model
 
 REPLACEMENT = "\ufffd"
 PROMPT = "Write a short poem about the sea."
@@ -273,6 +273,24 @@ def test_more_messages_than_the_context_holds_are_refused_before_rendering(
     with pytest.raises(PromptError, match="context holds 64"):  # rendered, then too long
         small.stream([{"role": "user", "content": "a"}] * 20)
     assert len(small.encode_prompt([{"role": "user", "content": "a"}] * 2)) < 64
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "prompt", ["hi \udcff", [{"role": "user", "content": "ok \ud800 no"}], "caf\udce9"]
+)
+def test_text_that_is_not_utf8_is_a_prompt_error(gen: Generator, prompt) -> None:
+    """Undecodable bytes (read with surrogateescape, as Python reads argv) and lone surrogates."""
+    with pytest.raises(PromptError, match="not valid UTF-8 text"):
+        gen.generate(prompt)
+
+
+@pytest.mark.slow
+def test_load_model_checks_its_arguments() -> None:
+    with pytest.raises(ConfigError, match="kernels must be True, False or None"):
+        load_model("smollm2-135m-instruct", kernels="off", progress=False)
+    with pytest.raises(ConfigError, match="named by a string or a path"):
+        load_model(None, progress=False)
 
 
 @pytest.mark.slow

@@ -173,6 +173,20 @@ def test_hf_names_invert_the_loaders_names(folders) -> None:
         assert torch.equal(value, own[name]), name
 
 
+@pytest.mark.parametrize("command", ["export-model", "train-head"])
+def test_an_out_folder_that_cannot_be_written_is_refused_first(
+    folders, tmp_path: Path, capsys, command: str
+) -> None:
+    """A file in the way, or a path that cannot be created: one line naming --out, before any
+    model is loaded (train-head would otherwise make data for minutes first)."""
+    (tmp_path / "a-file").write_text("x")
+    for out, words in ((tmp_path / "a-file", "is a file"), (Path("/proc/specfork-x"), "cannot")):
+        argv = [command, "-m", str(folders["llama"]), "--out", str(out)]
+        code, _, err = run_cli(capsys, argv)
+        assert code == 2 and f"--out {out}" in err and words in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_bfloat16_export_halves_the_weights(folders, tmp_path: Path) -> None:
     out = export_model(ModelExport(str(folders["llama"]), tmp_path / "bf16", dtype="bfloat16"))
     weights = load_file(str(out / "model.safetensors"))

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from specfork.errors import ConfigError
+
 
 @contextmanager
 def atomic_file(path: Path, mode: int = 0o644) -> Iterator[Path]:
@@ -34,3 +36,20 @@ def write_text(path: Path, text: str) -> None:
     """Write `text` (UTF-8) to `path` atomically."""
     with atomic_file(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def output_folder(path: Path, flag: str) -> Path:
+    """`path` made (parents included) as a folder to write into, or a ConfigError naming `flag`
+    and the reason (a file in the way, no permission, a read-only or virtual file system)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {path} is a file; give a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(
+            f"{flag} {path} cannot be written ({reason}); choose a folder you can write to"
+        ) from None
+    return path

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from specfork.atomic import output_folder
 from specfork.cli.common import add_model_flags, model_options
 from specfork.errors import ConfigError
 
@@ -142,6 +143,12 @@ def run(args: argparse.Namespace, err: Console) -> int:
         weight_decay=args.weight_decay,
         precision=args.precision,
     )
+    output_folder(args.out, "--out")  # before minutes of loading and making data
+    if args.data is None or not args.data.is_dir():  # an existing one may only be read
+        output_folder(args.data or args.out / "data", "--data")
+    for extra in args.extra_data:
+        if not extra.is_dir():
+            raise ConfigError(f"--extra-data {extra} is not a folder of training data")
     with err.status(f"loading {escape(args.model)}…", spinner="dots"):
         loaded = load_model(args.model, progress=False, **model_options(args))
     init = load_head(head_folder(args.init, loaded), loaded.model.config) if args.init else None

@@ -68,6 +68,19 @@ class TextStream:
                 yield event
 
 
+def _check_text(text: str) -> None:
+    """PromptError for text that is not Unicode the tokenizer can take: undecodable bytes (read
+    with surrogateescape, as Python reads command lines) and lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end]
+        raise PromptError(
+            f"the prompt is not valid UTF-8 text: character {exc.start} is {bad!r} (an undecodable "
+            "byte or a lone surrogate); send UTF-8 text"
+        ) from None
+
+
 class Generator:
     """Runs requests on one loaded model.
 
@@ -145,8 +158,11 @@ class Generator:
                 f"{len(messages)} messages cannot fit a context of {self.context} tokens (each "
                 "message adds at least its role's tokens); send fewer messages"
             )
-        contents = (m.get("content", "") if isinstance(m, dict) else "" for m in messages)
+        contents = [m.get("content", "") if isinstance(m, dict) else "" for m in messages]
         self._check_prompt_chars(sum(len(str(c)) for c in contents))
+        for content in contents:
+            if isinstance(content, str):
+                _check_text(content)
         if chat:
             text = tok.apply_chat_template(messages, add_generation_prompt=True)
             return tok.encode(text)  # a BOS the template already wrote is not doubled

@@ -525,10 +525,18 @@ def generate_batch(
     """Generate for every prompt, up to `batch.max_running` at a time; results in prompt
     order. `sampling` is one for all or one per prompt (each request has its own random
     generator). A prompt the engine refuses raises before anything runs."""
+    if not isinstance(prompts, list):  # a string would be a list of one-letter prompts
+        raise ConfigError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+    if batch is not None and not isinstance(batch, BatchConfig):
+        raise ConfigError(f"batch must be a BatchConfig, got {type(batch).__name__}")
     scheduler = Scheduler(generator, batch)
     ids = [scheduler.generator.prompt_ids(p, chat=chat, config=config) for p in prompts]
     if sampling is None or isinstance(sampling, SamplingParams):
         sampling = [sampling or SamplingParams()] * len(prompts)
+    if not isinstance(sampling, Sequence) or not all(
+        isinstance(s, SamplingParams) for s in sampling
+    ):
+        raise ConfigError("sampling must be a SamplingParams or a list of them, one per prompt")
     if len(sampling) != len(prompts):
         raise ConfigError(f"{len(sampling)} sampling settings for {len(prompts)} prompts")
     waiting = deque(enumerate(ids))

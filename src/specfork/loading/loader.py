@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -134,7 +135,7 @@ def kernels_for(device: torch.device, wanted: bool | None) -> ModuleType | None:
 
 
 def load_model(
-    name_or_path: str,
+    name_or_path: str | os.PathLike,
     *,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
@@ -148,6 +149,15 @@ def load_model(
     `kernels`: run on specfork's compiled CPU kernels (None: where they help; see
     `kernels_for`); they are batch-invariant, so speculative output is bitwise plain output.
     """
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fspath(name_or_path)
+    if not isinstance(name_or_path, str):
+        raise ConfigError(
+            f"a model is named by a string or a path (a .gguf file, a folder, a packaged name), "
+            f"got {type(name_or_path).__name__}"
+        )
+    if kernels is not None and not isinstance(kernels, bool):
+        raise ConfigError(f"kernels must be True, False or None (where they help), got {kernels!r}")
     t0 = time.perf_counter()
     path = resolve_model(name_or_path, progress=progress)
     model = load_decoder(path, dtype=dtype, device=device, kernels=kernels)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from specfork.atomic import atomic_file, write_text
+from specfork.atomic import atomic_file, output_folder, write_text
 from specfork.config import ModelConfig, RopeConfig
 from specfork.errors import ConfigError
 from specfork.loading.tokenizer import Tokenizer
@@ -56,7 +56,7 @@ def prepare_out(out: Path, force: bool) -> None:
             f"--out {out} exists and is not empty; choose another folder or pass --force to "
             "overwrite the exported files in it"
         )
-    out.mkdir(parents=True, exist_ok=True)
+    output_folder(out, "--out")
 
 
 def export_model(spec: ModelExport) -> Path:
