@@ -679,6 +679,8 @@ def test_serve_reports_bad_flags_and_taken_port_before_loading() -> None:
         serve_command.run(
             _serve_args("-m", "no-such-model", "--strategy", "speculative", "--k", "0"), console
         )
+    with pytest.raises(SpecforkError, match="--default-max-tokens must be at least 1, got 0"):
+        serve_command.run(_serve_args("-m", "no-such-model", "--default-max-tokens", "0"), console)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from specfork.cli.common import add_model_flags, add_spec_flags, model_options, spec_from_args
 from specfork.engine.thread import model_thread, run_in
-from specfork.errors import SpecforkError
+from specfork.errors import ConfigError, SpecforkError
 from specfork.server.run import bind_socket, require_server_packages
 from specfork.server.security import WILDCARD_BINDS, default_allowed_hosts
 
@@ -186,6 +186,8 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
     from specfork.server.shutdown import draining_server
     from specfork.strategies.policies import make_policy
 
+    if args.default_max_tokens < 1:
+        raise ConfigError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
     spec = spec_from_args(args, expected_length=args.default_max_tokens)
     make_policy(spec.k_policy, spec.k, spec.expected_length)  # validate before loading
     from specfork.server.worker import ServerSettings

@@ -7,6 +7,7 @@ verifies them losslessly (see `specfork.verify`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ from specfork.drafters.forks import RECYCLE_WIDTH, ForkDrafter
 from specfork.drafters.model import ModelDrafter, parse_layers, step_weights
 from specfork.drafters.ngram import NgramDrafter
 from specfork.drafters.recycle_prior import PRIOR_CONTEXT, load_or_compute
-from specfork.errors import ConfigError
+from specfork.errors import ConfigError, ModelFormatError
 from specfork.loading.registry import cache_dir
 from specfork.strategies.dspark import DSparkPolicy
 from specfork.strategies.policies import DraftPolicy, make_policy
@@ -25,6 +26,8 @@ from specfork.strategies.spork import SporkPolicy
 
 if TYPE_CHECKING:
     from specfork.loading.loader import LoadedModel
+
+log = logging.getLogger(__name__)
 
 
 def build_strategy(
@@ -133,7 +136,13 @@ def _draft_model(name_or_path: str, target: LoadedModel) -> Drafter:
     precision = target.model.precision
     if precision == "gguf" and path.is_dir():
         precision = "auto"  # a checkpoint folder has no GGUF blocks to keep
-    draft = load_decoder(path, dtype=precision, device=target.model.device)
+    try:
+        draft = load_decoder(path, dtype=precision, device=target.model.device)
+    except (ConfigError, ModelFormatError) as exc:  # quant types the kernels do not run
+        if precision == "auto":
+            raise
+        log.info("the draft model runs at its own precision (not %s: %s)", precision, exc)
+        draft = load_decoder(path, dtype="auto", device=target.model.device)
     v_target, v_draft = target.model.config.vocab_size, draft.config.vocab_size
     if v_target != v_draft:
         raise ConfigError(
