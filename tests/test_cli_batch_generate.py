@@ -71,6 +71,7 @@ def test_batch_file_outputs_equal_lone_generations(
         ('"hi"\n', ["--max-running", "0"], "max_running must be an integer >= 1"),
         ('"hi"\n', ["--max-running", "8", "--step-rows", "4"], "raise step_rows or lower"),
         ('{"messages": [{"role": "user", "content": "x"}]}\n', ["--no-chat"], "need chat mode"),
+        ('"hi"\n', ["--no-chat", "--system", "be brief"], "--system is a chat message"),
     ],
 )
 def test_bad_batch_files_and_flags_are_one_line_errors(
@@ -79,6 +80,7 @@ def test_bad_batch_files_and_flags_are_one_line_errors(
 ) -> None:  # fmt: skip
     batch = tmp_path / "b.jsonl"
     batch.write_text(content)
+    extra = [str(tmp_path / x) if x == "t.jsonl" else x for x in extra]
     argv = ["generate", "-m", str(folder), "--batch", str(batch), "-n", "2", *extra]
     if extra and extra[0] == "a prompt too":
         argv = ["generate", "a prompt too", "-m", str(folder), "--batch", str(batch)]
@@ -86,3 +88,21 @@ def test_bad_batch_files_and_flags_are_one_line_errors(
     assert code == 2 and out == ""
     assert "Traceback" not in err
     assert re.search(message, err), err
+    assert not (tmp_path / "t.jsonl").exists()  # a refused run leaves no trace file behind
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["-o", "out.jsonl"], "writes the results of --batch"),
+        (["--no-chat", "--system", "be brief"], "--system is a chat message"),
+    ],
+)
+def test_flags_a_single_prompt_would_ignore_are_refused(
+    folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
+    message: str,
+) -> None:  # fmt: skip
+    argv = ["generate", "-m", str(folder), "-n", "2", *extra, "hello"]
+    code, out, err = run_cli(capsys, argv)
+    assert code == 2 and out == "" and message in err, err
+    assert "Traceback" not in err

@@ -286,6 +286,13 @@ def test_text_that_is_not_utf8_is_a_prompt_error(gen: Generator, prompt) -> None
 
 
 @pytest.mark.slow
+def test_booleans_are_not_token_ids(gen: Generator) -> None:
+    with pytest.raises(PromptError, match="must be a dict, not bool"):
+        gen.prompt_ids([True, False])
+    assert gen.prompt_ids([1, 2, 3]) == [1, 2, 3]
+
+
+@pytest.mark.slow
 def test_load_model_checks_its_arguments() -> None:
     with pytest.raises(ConfigError, match="kernels must be True, False or None"):
         load_model("smollm2-135m-instruct", kernels="off", progress=False)

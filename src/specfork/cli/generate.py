@@ -123,13 +123,16 @@ def run(args: argparse.Namespace, err: Console) -> int:
         logprobs=args.logprobs,
         constraint=constraint_from_args(args),
     )
-    check_writable(args.trace, "trace file")
     spec = spec_from_args(args, expected_length=args.max_new_tokens)
     make_policy(spec.k_policy, spec.k, spec.expected_length)  # validate before loading
+    if args.system is not None and args.chat is False:
+        raise SpecforkError("--system is a chat message; drop --no-chat or drop --system")
     if args.batch is not None:
         _check_batch_flags(args)
     else:
+        _check_single_flags(args)
         prompt = _prompt(args)
+        check_writable(args.trace, "trace file")
     status = err.status(f"loading {escape(args.model)}…", spinner="dots")
     with status if not args.quiet else nullcontext():
         loaded = load_model(args.model, progress=not args.quiet, **model_options(args))
@@ -138,6 +141,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
         return run_batch(args, loaded, generator, config, sampling, err)
     chat = args.chat if args.chat is not None else loaded.tokenizer.chat_template is not None
     messages: str | list[dict[str, str]] = prompt
+    if args.system and not chat:
+        raise SpecforkError("--system needs chat mode, and this model has no chat template")
     if chat:
         messages = [{"role": "user", "content": prompt}]
         if args.system:
@@ -157,6 +162,12 @@ def run(args: argparse.Namespace, err: Console) -> int:
         if stream.result.logprobs is not None:
             _logprob_table(stream.result.logprobs, loaded.tokenizer, err)
     return 0
+
+
+def _check_single_flags(args: argparse.Namespace) -> None:
+    """A flag of --batch is refused without it rather than ignored."""
+    if args.output is not None:
+        raise SpecforkError("--output/-o writes the results of --batch; give --batch FILE")
 
 
 def _check_batch_flags(args: argparse.Namespace) -> None:

@@ -68,6 +68,11 @@ class TextStream:
                 yield event
 
 
+def _token_id(t: object) -> bool:
+    """Whether `t` reads as a token id (an int; True and False are not)."""
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 def _check_text(text: str) -> None:
     """PromptError for text that is not Unicode the tokenizer can take: undecodable bytes (read
     with surrogateescape, as Python reads command lines) and lone surrogates."""
@@ -230,7 +235,7 @@ class Generator:
     ) -> list[int]:  # fmt: skip
         """The prompt's token ids, checked (PromptError/ConfigError name what is wrong): a
         list of ints is taken as token ids, anything else is encoded."""
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+        if isinstance(prompt, list) and prompt and all(_token_id(t) for t in prompt):
             ids = list(prompt)
         else:
             ids = self.encode_prompt(prompt, chat)
