@@ -406,6 +406,18 @@ def test_self_layers_out_of_range_is_400_and_server_serves_on(served: Served) ->
 
 
 @pytest.mark.slow
+def test_refusals_before_routing_are_counted(served: Served) -> None:
+    """A body that is not JSON is refused by the guard (415) and still counted."""
+    labels = '{endpoint="completions",status="415"}'
+    before = _metric(served.url, "specfork_requests_total", labels)
+    resp = httpx.post(f"{served.url}/v1/completions", content=b"prompt=hi", timeout=60)
+    assert resp.status_code == 415
+    assert _metric(served.url, "specfork_requests_total", labels) == before + 1
+    httpx.post(f"{served.url}/v1/anything", content=b"x", timeout=60)
+    assert _metric(served.url, "specfork_requests_total", '{endpoint="other",status="415"}') >= 1
+
+
+@pytest.mark.slow
 def test_unknown_routes_use_the_error_shape(served: Served) -> None:
     for resp, status in (
         (httpx.get(f"{served.url}/v1/nothing"), 404),

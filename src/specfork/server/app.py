@@ -37,6 +37,14 @@ DISCONNECT_POLL_SECONDS = 0.5
 ENDPOINTS: dict[Kind, str] = {"completion": "completions", "chat": "chat.completions"}
 
 
+def _endpoint(path: str) -> str:
+    """The endpoint label of a request path (refusals before routing): a generation endpoint's
+    own label, else "other" (a label per path would let clients grow the metric without end)."""
+    return {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}.get(
+        path, "other"
+    )
+
+
 def create_app(
     generator: Engine,
     *,
@@ -75,7 +83,12 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
     )
-    app.add_middleware(Guard, api_key=config.api_key, allowed_hosts=config.allowed_hosts)
+    app.add_middleware(
+        Guard,
+        api_key=config.api_key,
+        allowed_hosts=config.allowed_hosts,
+        on_refusal=lambda path, status: metrics.count_request(_endpoint(path), status),
+    )
     app.state.worker, app.state.metrics = worker, metrics
     _add_error_handlers(app)
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])

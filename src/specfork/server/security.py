@@ -16,7 +16,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,7 @@ class Guard:
     app: Any
     api_key: str | None
     allowed_hosts: Sequence[str]
+    on_refusal: Callable[[str, int], None] | None = None  # (path, status) of each refusal
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -58,8 +59,10 @@ class Guard:
         refusal = self.refusal(scope)
         if refusal is None:
             await self.app(scope, receive, send)
-        else:
-            await _send_error(send, *refusal)
+            return
+        if self.on_refusal is not None:
+            self.on_refusal(scope.get("path", ""), refusal[0])
+        await _send_error(send, *refusal)
 
     def refusal(self, scope: dict) -> tuple[int, str, str, list[tuple[bytes, bytes]]] | None:
         """(status, message, code, extra headers) of a refused request, or None."""
