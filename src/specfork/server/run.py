@@ -49,7 +49,7 @@ def serve_in_background(app: Any, host: str = "127.0.0.1", port: int = 0) -> Ite
     from specfork.server.shutdown import draining_server
 
     sock = bind_socket(host, port)
-    server = draining_server(app, app.state.worker)
+    server = draining_server(app, getattr(getattr(app, "state", None), "worker", None))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

@@ -52,8 +52,9 @@ class DrainingServer(uvicorn.Server):
 
 
 def draining_server(
-    app: object, worker: EngineWorker, log_level: str = "warning"
-) -> DrainingServer:
-    """The server `specfork serve` and `serve_in_background` run `app` with."""
+    app: object, worker: EngineWorker | None, log_level: str = "warning"
+) -> uvicorn.Server:
+    """The server `specfork serve` and `serve_in_background` run `app` with (a plain uvicorn
+    server for an app without an engine worker, such as a test's stand-in)."""
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACE_SECONDS)
-    return DrainingServer(config, worker)
+    return uvicorn.Server(config) if worker is None else DrainingServer(config, worker)
