@@ -33,7 +33,7 @@ def test_batch_file_outputs_equal_lone_generations(
         json.dumps({"messages": system_chat}),
     ]
     batch = tmp_path / "prompts.jsonl"
-    batch.write_text("\n".join(lines) + "\n")
+    batch.write_text("\ufeff" + "\n".join(lines) + "\n")  # an editor's BOM is not a prompt
     argv = ["generate", "-m", str(folder), "--batch", str(batch), "-n", "8", "--ignore-eos",
             "--max-running", "2", "--strategy", "speculative", "--drafter", "ngram"]  # fmt: skip
     code, out, err = run_cli(capsys, argv)
@@ -64,6 +64,12 @@ def test_batch_file_outputs_equal_lone_generations(
         ("not json\n", [], "line 1 of .* is not JSON"),
         ('"fine"\n{"prompt": 3}\n', [], "line 2 of .*: expected a JSON string"),
         ('{"messages": []}\n', [], "messages must be a non-empty list"),
+        ('{"prompt": "x", "max_tokens": 5}\n', [], r"line 1 .*key\(s\) 'max_tokens'.*flags"),
+        ('{"prompt": "x", "messages": [{"role": "user", "content": "y"}]}\n', [], "not both"),
+        ('{"messages": [{"role": "wizard", "content": "y"}]}\n', [], r"role 'wizard' is not"),
+        ('{"messages": [{"role": "user", "content": 3}]}\n', [], r"messages\[0\] must be an"),
+        ('{"messages": [{"role": "user", "content": "y", "name": "a"}]}\n', [], "'name'"),
+        ('{"messages": [{"role": "user", "content": " "}]}\n', [], "every message is empty"),
         ('"  "\n', [], "line 1 of .*: the prompt is empty"),
         ("\n\n", [], "holds no prompts"),
         ('"hi"\n', ["a prompt too"], "either a prompt or --batch"),

@@ -21,6 +21,8 @@ PROMPT = "Repeat exactly: one two three, one two three, one two three."
         (["--k", "0"], ["k (draft length)", ">= 1"]),
         (["--self-layers", "0-5", "--skip-layers", "6-7", "--drafter", "self"], ["either"]),
         (["--max-ngram", "1", "--min-ngram", "2"], ["min_ngram"]),
+        (["--self-layers", "0-5"], ["self drafter", "'ngram'", "drafter self"]),
+        (["--skip-layers", "3", "--drafter", "ngram+head"], ["skip_layers", "'ngram+head'"]),
     ],
 )
 def test_bad_strategy_flags_fail_before_loading(capsys, flags, words) -> None:

@@ -15,12 +15,20 @@ from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.constraint import Constraint
 from specfork.engine import Generator
 from specfork.engine.batch import BatchConfig, Scheduler
+from specfork.errors import ConstraintError
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.models.cost import CostCurve
 from specfork.server.app import create_app
 from specfork.server.metrics import ServerMetrics
 from specfork.server.run import serve_in_background
-from specfork.server.worker import EngineWorker, Event, Job, ServerSettings, make_batch
+from specfork.server.worker import (
+    EngineWorker,
+    Event,
+    Job,
+    ServerSettings,
+    make_batch,
+    request_failure,
+)
 from tiny_models import tiny_chat_llama
 
 CURVE = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.25, 1.5, 2.3, 3.9, 6.8))
@@ -242,3 +250,43 @@ def test_a_grammar_that_matches_nothing_fails_only_its_own_job(loaded: LoadedMod
     assert refused[-1].kind == "error" and error.status == 400
     assert error.param == "response_format" and "matches no text" in error.message
     assert [first[-1].result.text, second[-1].result.text] == alone
+
+
+def test_a_constraint_over_the_mask_budget_is_a_400_and_its_neighbours_go_on(
+    loaded: LoadedModel,
+) -> None:
+    """`max_mask_ms`: over HTTP a constraint dearer than the budget is refused with a 400
+    naming response_format (here every constraint is, the budget being a nanosecond); a request
+    whose grammar grows dear mid-decode ends with the same 400 while the batch goes on; a
+    JSON `"stop": null` is no stop string, as in OpenAI's API."""
+    gen = Generator(loaded, cost_curve=CURVE)
+    app = create_app(gen, model_name="tiny", max_mask_ms=1e-6)
+    body = {"prompt": "abc", "max_tokens": 4, "temperature": 0, "stop": None}
+    with serve_in_background(app) as url:
+        fmt = {"type": "regex", "regex": "[a-z]+"}
+        refused = httpx.post(f"{url}/v1/completions", json={**body, "response_format": fmt})
+        plain = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "response_format" and error["code"] == "invalid_response_format"
+    assert "to enforce per token, over the limit of 1e-06 ms" in error["message"]
+    assert plain.status_code == 200, plain.text
+
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    dear = GenerationConfig(max_new_tokens=30, ignore_eos=True, max_mask_ms=1e6,
+                            constraint=Constraint.regex("[a-z ]+"))  # fmt: skip
+    alone = gen.generate(PROMPTS[0], chat=False, config=config).text
+    batch = Scheduler(gen, BatchConfig(max_running=4))
+    handles = [batch.add(_ids(gen, PROMPTS[0]), config=config),
+               batch.add(_ids(gen, PROMPTS[1]), config=dear)]  # fmt: skip
+    updates = batch.step() + batch.step()  # prompts read, first tokens out: both decoding
+    assert not handles[1].finished
+    handles[1].req.grammar.mask_budget = 1e-12  # its masks grow dear
+    while batch.running:
+        updates += batch.step()
+    failed = [u for u in updates if u.error is not None]
+    assert [u.running for u in failed] == [handles[1]]
+    assert isinstance(failed[0].error, ConstraintError)
+    error = request_failure(failed[0].error)  # what the server answers for it
+    assert error.status == 400 and error.param == "response_format"
+    assert [u.result.text for u in updates if u.result is not None] == [alone]

@@ -54,13 +54,16 @@ def test_each_option_reaches_the_config_from_every_front_end(name: str) -> None:
     opt = option(name)
     value = opt.from_text(text)
     assert value != opt.default
-    from_json = spec_with(SpecConfig(), {"strategy": strategy, name: value})
+    self_drafter = name in ("self_layers", "skip_layers")  # options of the self drafter
+    extra = {"drafter": "self"} if self_drafter else {}
+    from_json = spec_with(SpecConfig(), {"strategy": strategy, **extra, name: value})
     assert getattr(from_json, name) == value
     if name != "drafter":
-        bench = parse_strategy(f"{strategy}?{name}={text}")
+        bench = parse_strategy(f"{strategy}{':self' if self_drafter else ''}?{name}={text}")
         assert bench.spec == from_json
     if opt.cli:
-        args = build_parser().parse_args(["generate", "--strategy", strategy, *_flag(opt, text)])
+        flags = [*_flag(opt, text), *(["--drafter", "self"] if self_drafter else [])]
+        args = build_parser().parse_args(["generate", "--strategy", strategy, *flags])
         resolve_strategy(args)
         spec = spec_from_args(args, expected_length=from_json.expected_length)
         assert spec == from_json
@@ -106,3 +109,19 @@ def test_a_new_strategy_gets_its_own_default_drafter() -> None:
     base = SpecConfig("speculative", "self")
     assert spec_with(base, {"strategy": "spork"}).drafter == "recycle"
     assert spec_with(base, {"k": 2}).drafter == "self"
+
+
+def test_self_layers_go_with_the_self_drafter() -> None:
+    """Layers given to a drafter that runs none would be silently unused: refused; a request
+    that moves a self-drafting default to another drafter leaves its layers behind."""
+    base = SpecConfig("speculative", "self", self_layers="0-5")
+    with pytest.raises(ConfigError, match="self_layers chooses the layers of the self drafter"):
+        SpecConfig("speculative", "ngram", self_layers="0-5")
+    with pytest.raises(ConfigError, match=r"skip_layers .* drafter is 'recycle'.*recycle\+self"):
+        SpecConfig("spork", skip_layers="3")
+    assert spec_with(base, {"drafter": "ngram"}).self_layers is None
+    assert spec_with(base, {"strategy": "spork"}).self_layers is None
+    assert spec_with(base, {"strategy": "dspark", "drafter": "self"}).self_layers == "0-5"
+    assert spec_with(base, {"k": 2}).self_layers == "0-5"
+    with pytest.raises(ConfigError, match="self_layers"):
+        spec_with(base, {"drafter": "ngram", "self_layers": "0-3"})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,30 @@ def test_a_constraint_that_matches_no_text_is_refused_before_decoding(
         gen.generate("x", chat=False, config=GenerationConfig(constraint=constraint))
     ok = _state(tiny, Constraint.regex("[0-9]+"))
     assert ok.mask().sum() == 10 and ok.mask().sum() == 10  # the first mask, then recomputed
+
+
+def test_a_constraint_dearer_than_its_mask_budget_is_refused_or_ended(tiny: LoadedModel) -> None:
+    """`max_mask_ms`: a grammar whose first mask costs more is refused when the request opens;
+    one that grows dear later (here: the budget lowered mid-run, as a stand-in for a pattern
+    whose later masks cost more) ends with a ConstraintError at the next mask. Without a
+    budget the same constraint runs to the end."""
+    constraint = Constraint.regex("[a-z]{1,40}")
+    gen = Generator(tiny)
+    tight = GenerationConfig(max_new_tokens=8, constraint=constraint, max_mask_ms=1e-9)
+    with pytest.raises(ConstraintError, match=r"ms to enforce per token, over the limit.*bounds"):
+        gen.generate("x", chat=False, config=tight)
+    roomy = GenerationConfig(max_new_tokens=8, ignore_eos=True, constraint=constraint,
+                             max_mask_ms=1e6)  # fmt: skip
+    within = gen.generate("x", chat=False, config=roomy)
+    unlimited = gen.generate("x", chat=False, config=replace(roomy, max_mask_ms=None))
+    assert within.text == unlimited.text and re.fullmatch("[a-z]{1,8}", within.text)
+    state = _state(tiny, constraint)
+    state.mask()
+    state.mask_budget = 1e-12  # every mask from now on is over it
+    with pytest.raises(ConstraintError, match="over the limit"):
+        state.mask()
+    with pytest.raises(ConfigError, match="max_mask_ms must be a number > 0"):
+        GenerationConfig(max_mask_ms=0)
 
 
 def test_constraints_compare_by_source() -> None:

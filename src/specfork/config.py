@@ -184,6 +184,9 @@ class GenerationConfig:
     logprobs: int | None = None  # None: no log-probabilities; n: the emitted token's and top n
     # the output must match it (JSON schema, any JSON object, regex); its end ends the output
     constraint: Constraint | None = None
+    # the mean milliseconds the constraint may take to mask one row (None: no limit); a grammar
+    # over it is refused at its first mask, or ends the request when it grows dear later
+    max_mask_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.exact, bool) or not isinstance(self.ignore_eos, bool):
@@ -193,9 +196,10 @@ class GenerationConfig:
                 "constraint must be a specfork.Constraint (Constraint.json_schema(...), "
                 f".json_object() or .regex(...)), got {type(self.constraint).__name__}"
             )
-        t = self.max_seconds
-        if t is not None and not (_is_number(t) and t > 0):
-            raise ConfigError(f"max_seconds must be a number > 0 (or None), got {t!r}")
+        for name in ("max_seconds", "max_mask_ms"):
+            t = getattr(self, name)
+            if t is not None and not (_is_number(t) and t > 0):
+                raise ConfigError(f"{name} must be a number > 0 (or None), got {t!r}")
         n = self.logprobs
         if n is not None and not (_is_int(n) and 0 <= n <= MAX_LOGPROBS):
             raise ConfigError(
@@ -206,8 +210,13 @@ class GenerationConfig:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {n}")
         if isinstance(self.stop, str):  # one stop string, as the OpenAI API allows
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name, kind in (("stop", "stop strings"), ("stop_token_ids", "stop token ids")):
+            value = getattr(self, name)
+            if value is None:  # none, as OpenAI's `"stop": null`
+                value = ()
+            if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+                raise ConfigError(f"{name} must be a list of {kind}, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ConfigError("stop strings must be non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
@@ -319,6 +328,7 @@ class SpecConfig:
                 raise ConfigError(f"{name} must be a layer list such as '0-11', got {value!r}")
         if self.self_layers and self.skip_layers:
             raise ConfigError("give either self_layers (early exit) or skip_layers, not both")
+        self._check_layers_used()
         for name in ("goodput", "adapt", "recycle_persist", "recycle_prior", "lossy_typical"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -342,6 +352,17 @@ class SpecConfig:
         sources = self.drafter.split("+")
         if len(set(sources)) < len(sources):
             raise ConfigError(f"drafter {self.drafter!r} names a source twice; name each once")
+
+    def _check_layers_used(self) -> None:
+        """Layers are what the self drafter runs: given to another drafter they would be
+        silently unused."""
+        given = [n for n in ("self_layers", "skip_layers") if getattr(self, n) is not None]
+        if given and "self" not in self.drafter.split("+"):
+            plus = " (or add it: e.g. recycle+self)" if self.strategy == "spork" else ""
+            raise ConfigError(
+                f"{given[0]} chooses the layers of the self drafter, but the drafter is "
+                f"{self.drafter!r}; use drafter self{plus}, or leave {given[0]} out"
+            )
 
     def _check_chain_sources(self) -> None:
         """A chain drafter, or several joined by "+" (asked in order: the first draft wins)."""

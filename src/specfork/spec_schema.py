@@ -204,9 +204,14 @@ def implied_strategy(names: list[str], wording: Wording = PLAIN_WORDING) -> str 
 
 def spec_with(base: SpecConfig, values: Mapping[str, Any]) -> SpecConfig:
     """`base` with `values` replaced (`strategy` may be among them; validated). A new strategy
-    without a drafter gets its own default drafter (recycle for spork, ngram otherwise)."""
+    without a drafter gets its own default drafter (recycle for spork, ngram otherwise); the
+    base's self layers go with its self drafter."""
     changes = dict(values)
     strategy = changes.get("strategy", base.strategy)
     if "drafter" not in changes and strategy != base.strategy:
         changes["drafter"] = None
+    drafter = changes.get("drafter", base.drafter) or ""  # (not a str: SpecConfig says so)
+    if isinstance(drafter, str) and "self" not in drafter.split("+"):
+        for name in ("self_layers", "skip_layers"):
+            changes.setdefault(name, None)
     return dataclasses.replace(base, **changes)

@@ -137,6 +137,14 @@ def add_safety_flags(p: argparse.ArgumentParser) -> None:
         help="decoding time of one request; then it ends with finish_reason length (300)",
     )
     g.add_argument(
+        "--max-mask-ms",
+        type=float,
+        default=25.0,
+        metavar="MS",
+        help="the mean milliseconds a request's response_format may take to mask a token; a "
+        "dearer one is refused with 400 (25; 0: no limit)",
+    )
+    g.add_argument(
         "--fixed-strategy",
         action="store_true",
         help="refuse requests that choose their own strategy (the speculative object)",
@@ -173,6 +181,7 @@ def security_settings(args: argparse.Namespace) -> dict[str, Any]:
         "allowed_hosts": hosts,
         "max_draft_nodes": args.max_draft_nodes,
         "request_timeout": args.request_timeout,
+        "max_mask_ms": args.max_mask_ms or None,
         "fixed_strategy": args.fixed_strategy,
         "allow_lossy": args.allow_lossy,
         "metrics_prefix": args.metrics_prefix,

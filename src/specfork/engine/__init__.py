@@ -86,6 +86,26 @@ def _check_text(text: str) -> None:
         ) from None
 
 
+def _check_arguments(
+    loaded: object, spec: object, max_context: object, prefill_chunk: object,
+    max_strategies: object,
+) -> None:  # fmt: skip
+    """ConfigError naming a Generator argument of the wrong kind (not a TypeError later)."""
+    if not isinstance(loaded, LoadedModel):
+        raise ConfigError(
+            f"Generator takes a loaded model, got {type(loaded).__name__}; "
+            "write Generator(load_model(name))"
+        )
+    if spec is not None and not isinstance(spec, SpecConfig):
+        raise ConfigError(f"spec must be a SpecConfig, got {type(spec).__name__}")
+    integers = {"max_strategies": (max_strategies, 1), "prefill_chunk": (prefill_chunk, 1)}
+    if max_context is not None:
+        integers["max_context"] = (max_context, 2)  # a prompt token and a new one
+    for name, (value, least) in integers.items():
+        if not _token_id(value) or value < least:
+            raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
 class Generator:
     """Runs requests on one loaded model.
 
@@ -111,15 +131,12 @@ class Generator:
         cost_curve: CostCurve | None = None,
         max_strategies: int = MAX_KEPT_STRATEGIES,
     ) -> None:
+        _check_arguments(loaded, spec, max_context, prefill_chunk, max_strategies)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         limit = loaded.config.max_position
-        self.context = min(limit, max_context) if max_context else limit
+        self.context = min(limit, max_context) if max_context is not None else limit
         self.prefill_chunk = prefill_chunk
-        if isinstance(max_strategies, bool) or not isinstance(max_strategies, int):
-            raise ConfigError(f"max_strategies must be an integer >= 1, got {max_strategies!r}")
-        if max_strategies < 1:
-            raise ConfigError(f"max_strategies must be an integer >= 1, got {max_strategies}")
         self.max_strategies = max_strategies
         self.spec = spec or SpecConfig()
         self._check_k(self.spec)
@@ -235,6 +252,11 @@ class Generator:
     ) -> list[int]:  # fmt: skip
         """The prompt's token ids, checked (PromptError/ConfigError name what is wrong): a
         list of ints is taken as token ids, anything else is encoded."""
+        if not isinstance(prompt, (str, list, tuple)):
+            raise PromptError(
+                f"a prompt is a string, a list of chat messages or a list of token ids, not "
+                f"{type(prompt).__name__}"
+            )
         if isinstance(prompt, list) and prompt and all(_token_id(t) for t in prompt):
             ids = list(prompt)
         else:
@@ -325,7 +347,8 @@ class Generator:
         vocab = self.model.config.vocab_size
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, vocab)
-        return GrammarState(config.constraint, self._grammar_tokenizer, vocab)
+        budget = None if config.max_mask_ms is None else config.max_mask_ms / 1000
+        return GrammarState(config.constraint, self._grammar_tokenizer, vocab, budget)
 
     def _prefill(self, req: Request) -> torch.Tensor:
         """Run the prompt; a drafter that learns from the target's logits or hidden states

@@ -44,7 +44,7 @@ from specfork.engine.round import (
     propose,
     round_segment,
 )
-from specfork.errors import ConfigError
+from specfork.errors import ConfigError, ConstraintError
 from specfork.models.base import Segment
 from specfork.strategies.goodput import (
     EXPLORE_EVERY,
@@ -222,7 +222,10 @@ class Scheduler:
     def _fail(self, running: Running, exc: Exception) -> None:
         """A request whose own work raised (its grammar, its drafter, its sampler) leaves the
         batch with the error, its cache freed; the step goes on for the others."""
-        log.error("a request failed and left the batch: %s", exc, exc_info=exc)
+        if isinstance(exc, ConstraintError):  # the request's own constraint, not a fault here
+            log.warning("a request left the batch: %s", exc)
+        else:
+            log.error("a request failed and left the batch: %s", exc, exc_info=exc)
         if running in self.running:  # (not when it failed after leaving: its cache went back)
             self.running.remove(running)
             self.generator.release(running.req, keep=self.config.max_running)

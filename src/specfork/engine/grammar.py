@@ -59,8 +59,12 @@ def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTok
 class GrammarState:
     """One request's grammar matcher and the masks it gives (`vocab` = the model's logits)."""
 
-    def __init__(self, constraint: Constraint, tokenizer: llguidance.LLTokenizer, vocab: int):
+    def __init__(
+        self, constraint: Constraint, tokenizer: llguidance.LLTokenizer, vocab: int,
+        mask_budget: float | None = None,
+    ) -> None:  # fmt: skip
         self.constraint = constraint
+        self.mask_budget = mask_budget  # seconds a row's mask may take on average (None: any)
         self.vocab = vocab
         self.words = (vocab + 31) // 32  # int32 words of one bitmask row
         self.matcher = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
@@ -77,7 +81,9 @@ class GrammarState:
         """The first mask, computed now so that a grammar whose language is empty (it compiles,
         yet no text matches it) is refused with the request instead of failing mid-step."""
         bits = torch.zeros(1, self.words, dtype=torch.int32)  # [1, W]
+        t0 = time.perf_counter()
         self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+        self._check_cost(time.perf_counter() - t0, 1)
         self.masks += 1
         if self.matcher.is_error() or not bool(bits.any()):
             raise ConstraintError(
@@ -100,7 +106,7 @@ class GrammarState:
             bits = torch.zeros(1, self.words, dtype=torch.int32)  # [1, W]
             self._fill(bits, 0)
         allowed = self._unpack(bits)[0]
-        self.mask_seconds += time.perf_counter() - t0
+        self._spent(time.perf_counter() - t0)
         return allowed
 
     def constrain(self, draft: Draft) -> tuple[Draft, torch.Tensor]:
@@ -114,7 +120,7 @@ class GrammarState:
         if n:
             self._walk(draft, bits, keep)
         result = (draft, self._unpack(bits)) if all(keep) else self._pruned(draft, bits, keep)
-        self.mask_seconds += time.perf_counter() - t0
+        self._spent(time.perf_counter() - t0)
         return result
 
     def advance(self, tokens: list[int]) -> list[int]:
@@ -129,6 +135,22 @@ class GrammarState:
         return tokens
 
     # -- internals ----------------------------------------------------------------------------
+    def _spent(self, seconds: float) -> None:
+        self.mask_seconds += seconds
+        self._check_cost(self.mask_seconds, self.masks)
+
+    def _check_cost(self, seconds: float, rows: int) -> None:
+        """ConstraintError when masking costs more than the budget per row: the first mask
+        alone, later the mean over every row so far (one slow row among many is no reason)."""
+        if self.mask_budget is None or rows < 1 or seconds / rows <= self.mask_budget:
+            return
+        raise ConstraintError(
+            f"the {self.constraint.describe()} constraint costs {1000 * seconds / rows:.1f} ms "
+            f"to enforce per token, over the limit of {1000 * self.mask_budget:g} ms "
+            "(max_mask_ms); large repetition counts such as x{100000} or minLength 100000 cost "
+            "this: use smaller bounds"
+        )
+
     def _walk(self, draft: Draft, bits: torch.Tensor, keep: list[bool]) -> None:
         """Depth first over the tree: consume, mask, recurse, roll back (row r = node r - 1)."""
         tokens, parents = draft.tokens.tolist(), draft.tree.parents.tolist()

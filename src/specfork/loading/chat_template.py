@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     import jinja2
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# The roles a request or a batch file may give, and the role each renders as (OpenAI's
+# "developer" is a system message to the templates of open models).
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 @lru_cache(maxsize=16)

@@ -48,8 +48,26 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
     """Open a GGUF file, turning read errors into a clear ModelFormatError."""
     try:
         return gguf.GGUFReader(path)
-    except (OSError, ValueError, IndexError) as exc:
+    except OSError as exc:
         raise ModelFormatError(f"{path} is not a readable GGUF file: {exc}") from exc
+    except (ValueError, IndexError) as exc:
+        version = _gguf_version(path)
+        if version in (2, 3):  # a GGUF this reader knows whose parts it cannot find: cut short
+            raise ModelFormatError(
+                f"{path} is not a readable GGUF file: it ends before the data its header "
+                f"describes ({path.stat().st_size:,} bytes), as when a download or copy is cut "
+                f"short, or it is corrupt; fetch or copy it again (the reader said: {exc})"
+            ) from exc
+        raise ModelFormatError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def _gguf_version(path: Path) -> int | None:
+    """The version a GGUF file's header gives (None: not a GGUF file, or no version)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8 or head[:4] != b"GGUF":
+        return None
+    return int.from_bytes(head[4:], "little")
 
 
 def field_value(reader: gguf.GGUFReader, key: str, default: object = None) -> object:

@@ -235,6 +235,11 @@ class Tokenizer:
             raise PromptError(
                 f"The chat template of {self.source} rejected the messages: {error}"
             ) from error
+        except (TypeError, ValueError) as error:  # e.g. a number where the template adds text
+            raise PromptError(
+                f"The chat template of {self.source} cannot render the messages ({error}); "
+                "give each message a string role and string content"
+            ) from error
 
     def end_of_turn_ids(self) -> frozenset[int]:
         """The special token the chat template writes right after an assistant message, if any.

@@ -22,13 +22,14 @@ from specfork.constraint import Constraint
 from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError
+from specfork.loading.chat_template import CHAT_ROLES
 from specfork.spec_schema import OPTIONS_BY_NAME, Wording, check_used, spec_with
 from specfork.strategies import draft_nodes_bound
 
 Kind = Literal["completion", "chat"]
 Prompt = str | list[int] | list[dict[str, str]]
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = CHAT_ROLES
 REQUEST_WORDING = Wording("key", lambda o: f"speculative.{o.name}", this="this request")
 SPEC_KEYS = ("strategy", *OPTIONS_BY_NAME)  # one schema with the CLI flags and bench specs
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex")
@@ -125,6 +126,7 @@ class RequestLimits:
     fixed_strategy: bool = False  # requests may not send a `speculative` object
     allow_lossy: bool = False  # requests may ask for Medusa's typical acceptance (lossy)
     max_seconds: float | None = 300.0  # decoding time of one request (finish reason "length")
+    max_mask_ms: float | None = 25.0  # a constraint's mean masking time per token (None: any)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +167,7 @@ def parse_request(body: bytes, kind: Kind, ctx: ParseContext) -> CompletionReque
     return CompletionRequest(
         kind=kind,
         prompt=prompt,
-        config=_generation(obj, kind, max_tokens or ctx.default_max_tokens, limits.max_seconds),
+        config=_generation(obj, kind, max_tokens or ctx.default_max_tokens, limits),
         sampling=_sampling(obj),
         spec=_speculative(obj.get("speculative"), ctx.default_spec, limits),
         stream=stream,
@@ -334,10 +336,12 @@ def _include_usage(options: Any, stream: bool) -> bool:
 
 
 def _generation(
-    obj: dict[str, Any], kind: Kind, max_tokens: int, max_seconds: float | None
+    obj: dict[str, Any], kind: Kind, max_tokens: int, limits: RequestLimits
 ) -> GenerationConfig:
-    stop = obj.get("stop", [])
-    if isinstance(stop, str):
+    stop = obj.get("stop")
+    if stop is None:  # absent, or null as OpenAI allows
+        stop = []
+    elif isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS:
         raise APIError(
@@ -354,9 +358,10 @@ def _generation(
             stop=tuple(stop),
             ignore_eos=ignore_eos,
             exact=exact,
-            max_seconds=max_seconds,
+            max_seconds=limits.max_seconds,
             logprobs=logprobs,
             constraint=constraint,
+            max_mask_ms=limits.max_mask_ms if constraint is not None else None,
         )
     except ConfigError as exc:
         raise APIError(str(exc), param="stop") from exc

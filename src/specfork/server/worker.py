@@ -94,6 +94,7 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS  # Host header names served ("*": any)
     max_draft_nodes: int = 256  # tokens a request's strategy may draft per round
     request_timeout: float | None = 300.0  # seconds of decoding per request (None: no limit)
+    max_mask_ms: float | None = 25.0  # a constraint's mean masking time per token (None: any)
     fixed_strategy: bool = False  # refuse per-request `speculative` objects
     allow_lossy: bool = False  # let requests opt into lossy typical acceptance
     metrics_prefix: str = "specfork:"  # of the vLLM-named speculative-decoding counters
@@ -142,6 +143,9 @@ class ServerSettings:
         number = isinstance(t, int | float) and not isinstance(t, bool)
         if t is not None and not (number and math.isfinite(t) and t > 0):
             raise SpecforkError(f"request_timeout must be a number of seconds > 0, got {t!r}")
+        m = self.max_mask_ms
+        if m is not None and not (number_type(m) and math.isfinite(m) and m > 0):
+            raise SpecforkError(f"max_mask_ms must be a number of milliseconds > 0, got {m!r}")
         i = self.stream_interval
         if not (isinstance(i, int | float) and not isinstance(i, bool) and 0 <= i <= 10):
             raise SpecforkError(f"stream_interval must be in [0, 10] seconds, got {i!r}")
@@ -158,8 +162,17 @@ class ServerSettings:
     def limits(self) -> RequestLimits:
         """What one request may ask for."""
         return RequestLimits(
-            self.max_draft_nodes, self.fixed_strategy, self.allow_lossy, self.request_timeout
-        )
+            self.max_draft_nodes, self.fixed_strategy, self.allow_lossy, self.request_timeout,
+            self.max_mask_ms,
+        )  # fmt: skip
+
+
+def request_failure(exc: Exception) -> APIError:
+    """The error a request that failed mid-decode gets: its constraint's own fault (it grew too
+    dear to enforce) is a 400 naming response_format; anything else a 500."""
+    if isinstance(exc, ConstraintError):
+        return APIError(str(exc), param="response_format", code="invalid_response_format")
+    return APIError("internal server error while generating this request", status=500)
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,8 +510,7 @@ class EngineWorker:
         job, events, result = state.job, [], update.result
         if update.error is not None:  # this request's own failure: it alone ends (logged)
             del self._jobs[id(update.running)]
-            error = APIError("internal server error while generating this request", status=500)
-            return [(job, Event("error", error=error))]
+            return [(job, Event("error", error=request_failure(update.error)))]
         if job.deltas:
             state.pending += update.text
             now = time.perf_counter()
