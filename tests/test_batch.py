@@ -108,19 +108,23 @@ def test_batch_greedy_equals_alone(loaded: LoadedModel, name: str) -> None:
         assert b.stats.new_tokens == 24 and b.stats.prompt_tokens == a.stats.prompt_tokens
 
 
-@pytest.mark.parametrize("name", ["ngram", "spork"])
-def test_batch_sampling_equals_alone_when_nothing_is_trimmed(
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_seeded_sampling_in_a_batch_emits_plain_decodings_tokens(
     loaded: LoadedModel, name: str
 ) -> None:
-    """Each request keeps its own random generator: without the batch's trimming, a sampled
-    request draws the same numbers in the same order as alone, so its output is the same."""
-    gen = _generator(loaded, STRATEGIES[name])
+    """A seeded request's token at each position is drawn at a uniform keyed by the seed and
+    the position: alone or in a batch whose allocation trims its drafts, every strategy emits
+    the tokens of seeded plain decoding alone."""
+    plain, gen = _generator(loaded, STRATEGIES["ar"]), _generator(loaded, STRATEGIES[name])
     config = GenerationConfig(max_new_tokens=20, ignore_eos=True)
-    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
-    alone = [gen.generate(p, config=config, sampling=sampling) for p in PROMPTS]
-    batch = BatchConfig(max_running=5, step_rows=64, goodput=False)
-    together = generate_batch(gen, PROMPTS, config=config, sampling=sampling, batch=batch)
-    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    for seed in (11, 12):
+        sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=seed)
+        want = [plain.generate(p, config=config, sampling=sampling).token_ids for p in PROMPTS]
+        alone = [gen.generate(p, config=config, sampling=sampling).token_ids for p in PROMPTS]
+        batch = BatchConfig(max_running=5, step_rows=64)
+        together = generate_batch(gen, PROMPTS, config=config, sampling=sampling, batch=batch)
+        assert alone == want
+        assert [r.token_ids for r in together] == want
 
 
 def test_allocation_alone_matches_the_gate_and_shrinks_in_a_full_batch() -> None:

@@ -408,6 +408,25 @@ def test_failed_strategy_is_recorded(tiny_folder: Path) -> None:
     assert ar is not None and ar <= 0
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_seeded_sampled_runs_are_judged_token_for_token(tiny_folder: Path) -> None:
+    """With a seed, specfork's strategies emit seeded plain decoding's tokens: the bench
+    compares them exactly (100% here); without a seed nothing is judged."""
+    from specfork.loading.loader import load_model
+
+    loaded = load_model(str(tiny_folder), dtype="float32", device="cpu", progress=False)
+    prompts = [BenchPrompt(1, "qa", "abc abc abc abc"), BenchPrompt(2, "qa", "one two one two")]
+    strategies = parse_strategies("speculative:ngram?k=3,spork:recycle+ngram")
+    for seed, judged in ((5, True), (None, False)):
+        settings = BenchSettings(strategies, prompts, max_new_tokens=12, repeats=1, warmup=0,
+                                 temperature=0.9, seed=seed, ignore_eos=True)  # fmt: skip
+        results = run_benchmark(settings, loaded=loaded, show_progress=False)
+        rates = {label: results.summary[label]["overall"]["greedy_match_rate"]
+                 for label in ("ar", *(s.label for s in strategies))}  # fmt: skip
+        assert rates == dict.fromkeys(rates, 1.0 if judged else None), rates
+        assert any(("seed 5" if judged else "without a seed") in n for n in results.notes)
+
+
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="plots need matplotlib")
 def test_dspark_and_fork_plots_from_round_dicts(tmp_path: Path) -> None:
     """The K/C trace and the fork histogram read generic round dicts with extra keys."""

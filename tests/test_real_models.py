@@ -174,11 +174,14 @@ def test_speculation_is_exact_past_the_sliding_window(pair: SimpleNamespace) -> 
     config = GenerationConfig(max_new_tokens=48, ignore_eos=True)
     plain = pair.gen.generate(ids, config=config).token_ids
     half = pair.ours.config.num_layers // 2
-    specs = [
-        SpecConfig("speculative", "ngram", k=4),
-        SpecConfig("spork", "recycle+ngram"),
-        SpecConfig("spork", "recycle", tree="dynamic"),
-        SpecConfig("spork", "self", skip_layers=f"{half}-{half + 3}", tree="dynamic"),
+    specs = [  # ungated: the goodput gates weigh drafts by timed costs, and on a slow or
+        # loaded machine they may skip every tree this test is here to verify
+        SpecConfig("speculative", "ngram", k=4, goodput=False),
+        SpecConfig("spork", "recycle+ngram", goodput=False),
+        SpecConfig("spork", "recycle", tree="dynamic", goodput=False),
+        SpecConfig(
+            "spork", "self", skip_layers=f"{half}-{half + 3}", tree="dynamic", goodput=False
+        ),
     ]
     for spec in specs:
         result = pair.gen.generate(ids, config=config, spec=spec)

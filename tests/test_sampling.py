@@ -5,9 +5,18 @@ import math
 import pytest
 import torch
 
+from distribution import goodness_of_fit
 from specfork.config import SamplingParams
 from specfork.errors import ConfigError
-from specfork.sampling import make_generator, next_token, probabilities, sample
+from specfork.sampling import (
+    draw,
+    keyed_uniform,
+    make_generator,
+    next_token,
+    probabilities,
+    sample,
+    sample_at,
+)
 
 
 def test_greedy_is_argmax_one_hot():
@@ -15,7 +24,7 @@ def test_greedy_is_argmax_one_hot():
     p = probabilities(logits, SamplingParams(temperature=0))
     assert torch.equal(p.argmax(-1), logits.argmax(-1))
     assert torch.equal(p.sum(-1), torch.ones(4))
-    assert next_token(logits[0], SamplingParams(), make_generator(0)) == int(logits[0].argmax())
+    assert next_token(logits[0], SamplingParams(), make_generator(0), 0) == int(logits[0].argmax())
 
 
 def test_temperature_scales_logits():
@@ -77,10 +86,10 @@ def test_min_p_relative_to_max():
 def test_seeded_sampling_reproduces_and_seeds_differ():
     logits = torch.randn(1000)
     params = SamplingParams(temperature=1.0)
-    draws = [[next_token(logits, params, g) for _ in range(30)] for g in (make_generator(5),
+    draws = [[next_token(logits, params, g, i) for i in range(30)] for g in (make_generator(5),
              make_generator(5))]  # fmt: skip
     assert draws[0] == draws[1]
-    other = [next_token(logits, params, make_generator(6)) for _ in range(30)]
+    other = [next_token(logits, params, make_generator(6), i) for i in range(30)]
     assert other != draws[0]
 
 
@@ -142,3 +151,58 @@ def test_temperatures_and_top_p_below_float32s_range_stay_distributions() -> Non
         assert torch.isfinite(probs).all()
         assert torch.equal(probs.argmax(-1), logits.argmax(-1))
         assert torch.allclose(probs.amax(-1), torch.ones(4))
+
+
+# ----------------------------------------------------------------------------- keyed draws
+
+
+def _keyed_pairs(uniform, seeds: range, p1: torch.Tensor, p2: torch.Tensor) -> torch.Tensor:
+    """Joint counts [V * V] of two-token sequences drawn the keyed way: x1 at position 10 from
+    p1, x2 at position 11 from p2[x1], one sequence per seed."""
+    vocab = p1.shape[0]
+    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
+    for seed in seeds:
+        x1 = sample_at(p1, uniform(seed, 10))
+        x2 = sample_at(p2[x1], uniform(seed, 11))
+        counts[x1 * vocab + x2] += 1
+    return counts
+
+
+def test_keyed_draws_follow_the_joint_distribution_and_a_broken_key_fails() -> None:
+    """Across seeds, keyed draws at consecutive positions are distributed as the chain's joint
+    (independent uniforms); a key that ignores the position (the same uniform at every
+    position) correlates the two tokens and fails the same test."""
+    gen = torch.Generator().manual_seed(0)
+    p1 = torch.softmax(torch.randn(6, generator=gen), -1)  # [V]
+    p2 = torch.softmax(1.5 * torch.randn(6, 6, generator=gen), -1)  # [V, V] given x1
+    joint = (p1[:, None] * p2).flatten().double()  # [V * V]
+    seeds = range(20_000)
+    assert goodness_of_fit(_keyed_pairs(keyed_uniform, seeds, p1, p2), joint) > 1e-3
+    broken = _keyed_pairs(lambda seed, position: keyed_uniform(seed, 0), seeds, p1, p2)
+    assert goodness_of_fit(broken, joint) < 1e-6
+
+
+def test_keyed_uniforms_are_fixed_by_seed_and_position() -> None:
+    u = [keyed_uniform(7, t) for t in range(1000)]
+    assert u == [keyed_uniform(7, t) for t in range(1000)]
+    assert all(0.0 <= x < 1.0 for x in u) and len(set(u)) == 1000
+    assert keyed_uniform(8, 3) != keyed_uniform(7, 3)
+    assert keyed_uniform(2**63 - 1, 2**40) < 1.0  # the largest seed a request may give
+
+
+def test_a_seeded_draw_is_keyed_and_an_unseeded_one_streams() -> None:
+    """`draw` (drafters) and `next_token` (the target) agree at a seeded request's position,
+    whatever the generator; unseeded they draw from it."""
+    probs = torch.softmax(torch.randn(500), -1)
+    seeded = SamplingParams(temperature=1.0, seed=3)
+    logits = probs.log()
+    for position in range(20):
+        expected = sample_at(probabilities(logits, seeded), keyed_uniform(3, position))
+        assert draw(probabilities(logits, seeded), seeded, make_generator(position), position) == (
+            expected
+        )
+        assert next_token(logits, seeded, make_generator(99), position) == expected
+    free = SamplingParams(temperature=1.0)
+    a = [draw(probs, free, g, 0) for g in (make_generator(5),) for _ in range(20)]
+    assert a == [draw(probs, free, g, 0) for g in (make_generator(5),) for _ in range(20)]
+    assert len(set(a)) > 5  # the stream moves on: not one keyed draw repeated

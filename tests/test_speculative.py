@@ -688,6 +688,29 @@ def test_sampling_with_ngram_drafts_is_reproducible(
     _check_spec_stats(first)
 
 
+SEEDED_PLAN = ("ngram-goodput", "draft-model-k4", "dspark-goodput", "spork-recycle+ngram-goodput",
+               "spork-draft-model-dynamic")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SEEDED_PLAN)
+def test_seeded_sampling_emits_seeded_plain_decodings_tokens(
+    plain: Generator, spec_gen: Callable[[str], Generator], name: str
+) -> None:
+    """A seeded request draws the token at each position at a uniform keyed by the seed and
+    the position (`verify.keyed`): every strategy, gated or not, emits exactly the tokens plain
+    decoding emits with the same seed, while its drafts are accepted."""
+    gen = spec_gen(name)
+    config = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+    accepted = 0
+    for seed, prompt in ((7, PROMPTS[0]), (8, PROMPTS[2])):
+        params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed)
+        want = plain.generate(prompt, config=config, sampling=params)
+        got = gen.generate(prompt, config=config, sampling=params)
+        assert got.token_ids == want.token_ids, (seed, got.text, want.text)
+        accepted += got.stats.accepted
+    assert accepted > 0  # the drafts took part
+
+
 def test_sampling_with_the_target_as_draft_model_accepts_everything(
     spec_gen: Callable[[str], Generator], reference: Callable[[int], GenerationResult]
 ) -> None:

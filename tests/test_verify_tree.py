@@ -52,14 +52,16 @@ from distribution import (
     chi2_sf,
     chi2_stat,
     clamped_residual,
+    goodness_of_fit,
     p_itself,
     tv_noise,
     unclamped_residual,
 )
 from specfork.config import SamplingParams
-from specfork.sampling import probabilities
+from specfork.sampling import keyed_uniform, probabilities, sample_at
 from specfork.tree import Tree, chain, children
 from specfork.verify import Verdict, one_hot_q, verify_greedy, verify_sampling
+from specfork.verify.keyed import verify_keyed
 from specfork.verify.tree import (
     verify_tree_greedy,
     verify_tree_sampling,
@@ -602,3 +604,46 @@ def test_children_order_is_the_order_tried():
     share = sum(f == [0] for f in firsts) / 3000
     assert share == pytest.approx(0.4, abs=0.04)
     assert sum(f == [1] for f in firsts) / 3000 == pytest.approx(0.4, abs=0.04)
+
+
+# ----------------------------------------------------------------------------- keyed (seeded)
+
+
+def test_keyed_verification_follows_the_seeds_own_draws() -> None:
+    """The verdict walks down the children equal to the target's keyed draw at each depth
+    and emits the draw where none is: the tokens plain decoding with the seed emits."""
+    vocab, seed, start = 12, 5, 40
+    gen = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(6, vocab, generator=gen), -1)  # [N + 1, V]
+    y0 = sample_at(p[0], keyed_uniform(seed, start))
+    other = (y0 + 1) % vocab
+    # root: children other (node 0) and y0 (node 1); node 1's children: two guesses at depth 2
+    y1 = sample_at(p[2], keyed_uniform(seed, start + 1))  # row of node 1 = 2
+    wrong = (y1 + 1) % vocab
+    tree = Tree(torch.tensor([other, y0, wrong, y1, 0]), torch.tensor([-1, -1, 1, 1, 0]))
+    verdict = verify_keyed(tree, p, seed, start)
+    y2 = sample_at(p[4], keyed_uniform(seed, start + 2))  # row of node 3 (token y1), a leaf
+    assert verdict.path == [1, 3] and verdict.tokens == [y0, y1, y2]
+    missed = Tree(torch.tensor([other]), torch.tensor([-1]))
+    assert verify_keyed(missed, p[:2], seed, start).tokens == [y0]  # nothing accepted
+    empty = Tree(torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long))
+    assert verify_keyed(empty, p[:1], seed, start).tokens == [y0]
+    with pytest.raises(ValueError, match=r"p must be \[N \+ 1, V\] = \[2, V\]"):
+        verify_keyed(missed, p, seed, start)
+
+
+def test_keyed_verification_is_distributed_as_p_across_seeds() -> None:
+    """Over seeds, a chain's emitted first token is distributed as p[0] whatever the draft
+    (here a fixed one that is often right), and a draft token is accepted with probability
+    p(x), as by rejection sampling."""
+    gen = torch.Generator().manual_seed(2)
+    p = torch.softmax(torch.randn(3, 5, generator=gen), -1)  # [K + 1, V]
+    tree = chain(torch.tensor([int(p[0].argmax()), 1]))
+    first = torch.zeros(5, dtype=torch.float64)
+    accepted = 0
+    for seed in range(8000):
+        verdict = verify_keyed(tree, p, seed, 0)
+        first[verdict.tokens[0]] += 1
+        accepted += verdict.accepted > 0
+    assert goodness_of_fit(first, p[0].double()) > 1e-3
+    assert abs(accepted / 8000 - float(p[0].max())) < 0.03

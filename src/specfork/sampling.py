@@ -3,6 +3,13 @@
 `probabilities(logits, params)` applies temperature, then top-k, top-p and min-p, in that order
 (transformers' and vLLM's order), and returns the distribution a token is drawn from. The same
 function is applied to the target's p and the drafter's q, which speculative sampling needs.
+
+Every draw inverts a row's cumulative distribution at a uniform u. Unseeded requests take u from
+their generator's stream. A seeded request's u for the token at sequence position t is
+`keyed_uniform(seed, t)`, a function of the seed and t alone: the token plain decoding emits at
+t is then fixed by the seed and the prefix, and speculation (which only decides how many of
+those tokens one forward confirms) emits exactly the same tokens, however its drafts were
+trimmed or batched (`verify.keyed`).
 """
 
 from __future__ import annotations
@@ -83,6 +90,55 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_p)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function (Steele, Lea and Flood 2014): 64 well-mixed bits of x."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) (53 bits) that depends on `seed` and the sequence `position` only:
+    the draw of a seeded request's token at that position."""
+    return (_splitmix64(_splitmix64(seed) ^ position) >> 11) * 2.0**-53
+
+
+def sample_at(probs: torch.Tensor, u: float) -> int:
+    """The token of probabilities [V] (the total need not be 1) at uniform `u`: the first
+    whose cumulative mass exceeds u · total, as `sample` draws."""
+    cdf = _cdf(probs.reshape(1, -1))  # [1, V]
+    point = torch.tensor([[u]], dtype=torch.float64, device=cdf.device)  # [1, 1]
+    return int(_invert(cdf, point)[0])
+
+
+def draw(q: torch.Tensor, params: SamplingParams, generator: torch.Generator, position: int) -> int:
+    """A drafter's token from q [V] for sequence `position`: at the request's keyed uniform
+    when it is seeded (coupled with the target's own draw there, so a q close to p proposes
+    what the target will emit), else from `generator`."""
+    if params.seed is not None:
+        return sample_at(q, keyed_uniform(params.seed, position))
+    return int(sample(q, generator))
+
+
+def _cdf(flat: torch.Tensor) -> torch.Tensor:
+    """Cumulative distributions [N, V] float64 of rows [N, V], each with finite positive mass."""
+    cdf = flat.double().cumsum(-1)  # [N, V]
+    total = cdf[:, -1]  # [N]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        raise ValueError("cannot sample from a row with no finite probability mass")
+    return cdf
+
+
+def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens [N] at uniforms u [N, 1]: the first index whose cumulative mass exceeds u · total."""
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [N, 1]
+    return tokens.clamp_(max=cdf.shape[-1] - 1).view(-1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Draw one token per row from probabilities [..., V] (each row's total need not be 1);
     returns [...] int64.
@@ -93,17 +149,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     `torch.multinomial` refused it. `torch.multinomial` took ~1 ms for one draw from a
     vocabulary on two cores, a fifth of a decoding step; this takes ~0.1 ms."""
     flat = probs.reshape(-1, probs.shape[-1])  # [N, V]
-    cdf = flat.double().cumsum(-1)  # [N, V]
-    total = cdf[:, -1]  # [N]
-    if not bool(((total > 0) & torch.isfinite(total)).all()):
-        raise ValueError("cannot sample from a row with no finite probability mass")
+    cdf = _cdf(flat)  # [N, V]
     u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device)
-    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [N, 1]
-    return tokens.clamp_(max=flat.shape[-1] - 1).view(probs.shape[:-1])
+    return _invert(cdf, u).view(probs.shape[:-1])
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Choose the next token from logits [V]: argmax when greedy, else a seeded draw."""
+def next_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, position: int
+) -> int:
+    """The token at sequence `position` from logits [V]: the argmax when greedy, else a draw
+    (at the keyed uniform of a seeded request)."""
     if params.greedy:
         return int(argmax(logits))
-    return int(sample(probabilities(logits, params), generator))
+    return draw(probabilities(logits, params), params, generator, position)

@@ -67,6 +67,13 @@ def compare_text(reference: str, other: str) -> MatchResult:
     return MatchResult("text-equal" if pos is None else "text-differs", pos)
 
 
+def compare_tokens(reference: Sequence[int], other: Sequence[int]) -> MatchResult:
+    """Two seeded sampled outputs: "exact", or "differs" at the first differing token (a seeded
+    request emits plain decoding's tokens whatever the strategy: no near-tie excuses it)."""
+    pos = first_divergence(reference, other)
+    return MatchResult("exact" if pos is None else "differs", pos)
+
+
 def compare_greedy(
     reference: Sequence[int],
     other: Sequence[int],

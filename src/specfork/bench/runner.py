@@ -463,18 +463,25 @@ def run_benchmark(
             notes.append(f"{s.label} failed: {s.error}")
     if not reset_peak_memory():
         notes.append("peak memory is the process's high-water mark since it started")
-    if not sampling.greedy:
-        notes.append("sampling (temperature > 0): greedy match rates are not judged")
+    seeded = not sampling.greedy and sampling.seed is not None
+    if seeded:
+        notes.append(
+            f"seeded sampling (seed {sampling.seed}): specfork's outputs are compared with plain "
+            "decoding's token for token (a seeded request emits plain decoding's tokens)"
+        )
+    elif not sampling.greedy:
+        notes.append("sampling without a seed: match rates are not judged (use --seed)")
     labels = [s.label for s in strategies if not s.skipped]
     categories = list(dict.fromkeys(p.category for p in prompts))
     text_labels = {s.label for s in strategies if s.family == "openai"}
+    seeded_labels = {s.label for s in strategies if s.family == "specfork"} if seeded else set()
     per_prompt = per_prompt_figures(
         measurements, labels, prompts, reference=reference,
         gap_fn=lambda ctx: top2_gap(loaded, ctx), greedy=sampling.greedy,
         near_tie=settings.near_tie,
         logprob_fn=lambda prompt, out: target_logprob(loaded, prompt, out),
         decode_fn=lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True),
-        text_labels=text_labels,
+        text_labels=text_labels, seeded_labels=seeded_labels,
     )  # fmt: skip
     by_turn = None
     if multi_turn:

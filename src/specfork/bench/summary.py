@@ -13,7 +13,13 @@ import statistics
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from specfork.bench.quality import NEAR_TIE, TEXT_STATUSES, compare_greedy, compare_text
+from specfork.bench.quality import (
+    NEAR_TIE,
+    TEXT_STATUSES,
+    compare_greedy,
+    compare_text,
+    compare_tokens,
+)
 from specfork.bench.records import OVERALL, PER_RUN, Measurement, PreparedPrompt
 
 MATCHES = ("exact", "near-tie", "text-equal")  # counted as greedy matches
@@ -32,13 +38,16 @@ def per_prompt_figures(
     logprob_fn: Callable[[list[int], list[int]], float | None] | None = None,
     decode_fn: Callable[[list[int]], str] | None = None,
     text_labels: Collection[str] = (),
+    seeded_labels: Collection[str] = (),
 ) -> list[dict[str, Any]]:
     """One row per (strategy, prompt, turn): medians over the repeats, speedup, greedy match.
 
     `gap_fn(context_ids)` gives the target's top-2 logit gap after a context; without it (or
     when sampling) greedy matches are not judged. `logprob_fn(prompt, output)` scores the
     first repeat's output under the target (`target_logprob`). Strategies in `text_labels`
-    are compared by text with the reference's output decoded by `decode_fn`.
+    are compared by text with the reference's output decoded by `decode_fn`. When sampling
+    with a seed, the strategies in `seeded_labels` (specfork's: they emit seeded plain
+    decoding's tokens) are compared token for token, without the near-tie rule.
     """
     by_key: dict[tuple[str, int, int], list[Measurement]] = {}
     for m in measurements:
@@ -78,6 +87,8 @@ def per_prompt_figures(
                     match = compare_text(decode_fn(ref_ids), first_out.text or "")
             elif first_out is not None and ref_ids is not None and greedy and gap_fn is not None:
                 match = compare_greedy(ref_ids, first_out.token_ids, gap_at, near_tie)
+            elif first_out is not None and ref_ids is not None and label in seeded_labels:
+                match = compare_tokens(ref_ids, first_out.token_ids)
             score = logprob_fn if logprob_fn is not None and first_out is not None else None
             row["target_logprob"] = score(list(p.ids), first_out.token_ids) if score else None  # type: ignore[union-attr]
             row["greedy_match"] = match.status if match else None

@@ -22,7 +22,7 @@ from specfork.drafters.meter import CostMeter
 from specfork.heads.fast import KernelHead
 from specfork.heads.model import DraftHead
 from specfork.models.base import DecoderLM
-from specfork.sampling import probabilities, sample
+from specfork.sampling import draw, probabilities
 from specfork.tree import Tree
 
 
@@ -131,7 +131,7 @@ class HeadDrafter:
             grown = _Grown(self._catch_up(history), self.cached)
             start = self.meter.clock() if self.meter is not None else 0.0  # drafting only
             try:
-                q = self._grow(grown, shape, depth, sampling, rng)
+                q = self._grow(grown, shape, depth, sampling, rng, len(history))
             finally:
                 self.cached = grown.prefix  # the draft rows leave the cache
         if self.meter is not None:
@@ -148,11 +148,13 @@ class HeadDrafter:
         depth: int,
         sampling: SamplingParams,
         rng: torch.Generator,
+        start: int,
     ) -> torch.Tensor | None:
-        """Grow `grown` within the shape; the q [N, V] of a sampled chain (else None)."""
+        """Grow `grown` within the shape (its first token at sequence position `start`); the
+        q [N, V] of a sampled chain (else None)."""
         logits = self.head.logits(grown.root[None])  # [1, Vd]
         if shape.kind == "chain":
-            return self._chain(grown, logits, depth, sampling, rng, shape.confidence)
+            return self._chain(grown, logits, depth, sampling, rng, shape.confidence, start)
         branch = max(1, shape.forks)
         frontier = self._add(grown, [-1], logits, branch)
         for _ in range(depth - 1):
@@ -173,8 +175,10 @@ class HeadDrafter:
         sampling: SamplingParams,
         rng: torch.Generator,
         confidence: StepConfidence | None,
+        start: int,
     ) -> torch.Tensor | None:
-        """A chain of at most `depth` tokens, stopped where `confidence` says so (DSpark)."""
+        """A chain of at most `depth` tokens from sequence position `start`, stopped where
+        `confidence` says so (DSpark)."""
         qs = []
         node = -1
         for i in range(depth):
@@ -187,7 +191,7 @@ class HeadDrafter:
                 node = self._add(grown, [node], logits, 1)[0]
             else:
                 qs.append(q)  # [V]
-                token = int(sample(q, rng))
+                token = draw(q, sampling, rng, start + i)
                 score = (grown.score[node] if node >= 0 else 1.0) * float(q[token])
                 node = self._push(grown, node, token, score)
             if i + 1 < depth:

@@ -23,7 +23,7 @@ from specfork.drafters.base import (
 )
 from specfork.errors import ConfigError
 from specfork.models.base import DecoderLM
-from specfork.sampling import argmax, probabilities, sample
+from specfork.sampling import argmax, draw, probabilities
 from specfork.tree import Tree, TreeBuilder, path_to
 
 
@@ -126,7 +126,7 @@ class ModelDrafter:
                 tokens.append(int(argmax(logits)))
             else:
                 qs.append(q)
-                tokens.append(int(sample(q, rng)))
+                tokens.append(draw(q, sampling, rng, len(history) + i))
             if i + 1 < budget:
                 logits = self.model.extend(tokens[-1:], self.cache, layers=self.layers)
                 forwards += 1

@@ -36,7 +36,7 @@ def first_tokens(req: Request, logits: torch.Tensor) -> list[int]:
     grammar = req.grammar
     allowed = None if grammar is None else grammar.mask()  # [V]
     chosen = logits if allowed is None else constrained(logits, allowed)
-    tokens = [next_token(chosen, req.sampling, req.rng)]
+    tokens = [next_token(chosen, req.sampling, req.rng, len(req.history))]
     if grammar is not None:
         tokens = grammar.advance(tokens)
     req.note_logprobs(logits[None], [0], tokens)

@@ -24,6 +24,7 @@ from specfork.strategies.goodput import GoodputGate, TreeGate
 from specfork.strategies.policies import RoundInfo
 from specfork.tree import cache_indices, children, depths, prune, tree_mask, tree_positions
 from specfork.verify import Verdict, verify_greedy, verify_sampling
+from specfork.verify.keyed import verify_keyed
 from specfork.verify.tree import verify_tree_greedy, verify_tree_sampling, verify_tree_typical
 
 NO_SHAPE = DraftShape(0)
@@ -211,6 +212,9 @@ def accept(req: Request, draft: Draft, logits: torch.Tensor) -> Verdict:
     if spec.lossy_typical:
         p = logits.softmax(-1) if sampling.greedy else probabilities(logits, sampling)
         return verify_tree_typical(draft.tree, p, spec.typical_epsilon, spec.typical_delta)
+    if not sampling.greedy and sampling.seed is not None:  # the seed's own draws decide
+        return verify_keyed(draft.tree, probabilities(logits, sampling), sampling.seed,
+                            len(req.history))  # fmt: skip
     if draft.is_chain:  # the vectorised chain check
         drafted = draft.tokens.to(logits.device)  # [K]
         if sampling.greedy:

@@ -51,7 +51,9 @@ def calibrate(
     """Run `prompts` with a fixed K under `spec`'s drafter and suggest low/high."""
     if not prompts:
         raise ConfigError("calibration needs at least one prompt")
-    fixed = dataclasses.replace(spec, strategy="dspark", k=k, min_k=k, max_k=k)
+    # no goodput gate: it would trim or skip drafts by timed costs, and calibration measures
+    # how much of a full K-token draft the target accepts
+    fixed = dataclasses.replace(spec, strategy="dspark", k=k, min_k=k, max_k=k, goodput=False)
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     pairs: list[tuple[float, RoundRecord]] = []  # (C after round t, round t + 1)
     ratios: list[float] = []
