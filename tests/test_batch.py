@@ -4,6 +4,8 @@ identical sampled outputs when nothing is trimmed — and the scheduler frees wh
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -177,6 +179,43 @@ def test_a_full_batch_skips_proposals_that_cannot_pay_and_still_explores(
     for running, prompt in zip(runs, prompts, strict=True):
         assert results[id(running)] == gen.generate(prompt, config=config).token_ids
     assert any(r.req.gate.stats.trials for r in runs)  # exploring drafts teach the rates
+
+
+def test_the_allocation_counts_whole_drafts_as_fixed_tokens() -> None:
+    """Tokens expected from rows outside the allocation raise the bar a node must clear: a
+    node worth keeping alone is dropped when the forward already earns many tokens."""
+    assert allocate([[0.6]], 1, CURVE) == [1]
+    assert allocate([[0.6]], 9, CURVE, fixed_tokens=8.0) == [0]
+    same = allocate([[0.6]] + [[]] * 8, 9, CURVE)  # eight empty drafts: eight fixed tokens
+    assert allocate([[0.6]], 9, CURVE, fixed_tokens=8.0) == same[:1]
+
+
+def test_ungated_requests_verify_their_drafts_whole_in_a_batch(loaded: LoadedModel) -> None:
+    """A request with `goodput=False` verifies every draft as drafted, however dear the rows:
+    its rounds in a full batch are those of its lone run; gated requests beside it are still
+    trimmed by the allocation, and every output stays the lone run's."""
+    steep = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 2.0, 4.0, 8.0, 16.0, 32.0))
+    ungated = dataclasses.replace(STRATEGIES["ngram"], goodput=False)
+    gen = Generator(loaded, spec=ungated, cost_curve=steep)
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    scheduler = Scheduler(gen, BatchConfig(max_running=8, step_rows=64))
+    prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS[:4]]
+    specs = [ungated if i % 2 == 0 else STRATEGIES["ngram"] for i in range(len(prompts))]
+    runs = [scheduler.add(p, config=config, spec=s) for p, s in zip(prompts, specs, strict=True)]
+    results = {}
+    while scheduler.running:
+        for update in scheduler.step():
+            if update.result is not None:
+                results[id(update.running)] = update.result
+    for running, prompt, spec in zip(runs, prompts, specs, strict=True):
+        alone = gen.generate(prompt, config=config, spec=spec)
+        assert results[id(running)].token_ids == alone.token_ids
+        if not spec.goodput:
+            drafted = [r.drafted for r in results[id(running)].stats.rounds]
+            assert drafted == [r.drafted for r in alone.stats.rounds]
+    ungated_rows = sum(r.drafted for i, run in enumerate(runs) if i % 2 == 0
+                       for r in results[id(run)].stats.rounds)  # fmt: skip
+    assert ungated_rows > 0  # the repetitive prompts draft
 
 
 class _CountingCurve(CostCurve):

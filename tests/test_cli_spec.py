@@ -10,6 +10,7 @@ from cli_run import run_cli as _run
 from specfork.cli import main
 from specfork.cli.common import read_first_turns
 from specfork.errors import SpecforkError
+from specfork.tools.self_scan import candidate_flags
 
 PROMPT = "Repeat exactly: one two three, one two three, one two three."
 
@@ -75,6 +76,14 @@ def test_trace_to_unwritable_path(capsys, tmp_path: Path) -> None:
     argv = ["generate", "-n", "2", "--trace", str(tmp_path / "missing" / "t.jsonl"), PROMPT]
     code, _, err = _run(capsys, argv)
     assert code == 2 and "trace file" in err
+
+
+def test_scan_self_candidates_draft_ungated() -> None:
+    """The scan's acceptance figures are of whole K = 4 drafts, on any machine: no candidate
+    drafts through the goodput gate (which trims by timed costs)."""
+    candidates = candidate_flags(30)
+    assert len(candidates) == 5
+    assert all(spec.k == 4 and not spec.goodput for _, spec in candidates)
 
 
 @pytest.mark.slow

@@ -227,12 +227,12 @@ def test_chain_runs_count_leading_drafts_equal_to_the_target_top1() -> None:
     "spec",
     [
         {"strategy": "speculative", "k": 4, "goodput": False},
-        {"strategy": "dspark"},
+        {"strategy": "dspark", "goodput": False},
         {"strategy": "spork", "drafter": "head", "tree": "forks", "goodput": False},
         {"strategy": "spork", "drafter": "head", "tree": "dynamic", "goodput": False},
         {"strategy": "spork", "drafter": "recycle+ngram+head", "goodput": False},
         {"strategy": "speculative", "drafter": "ngram+head", "k": 4, "goodput": False},
-        {"strategy": "dspark", "drafter": "ngram+head"},
+        {"strategy": "dspark", "drafter": "ngram+head", "goodput": False},
     ],
     ids=[
         "chain",

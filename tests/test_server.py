@@ -32,6 +32,7 @@ from specfork.engine.stats import GenerationStats
 from specfork.engine.thread import model_thread, run_in
 from specfork.errors import SpecforkError
 from specfork.loading.loader import LoadedModel
+from specfork.models.cost import CostCurve
 from specfork.server.app import create_app
 from specfork.server.run import serve_in_background
 
@@ -46,6 +47,9 @@ STRATEGIES = {
     "dspark": {"strategy": "dspark", "drafter": "ngram"},
     "spork": {"strategy": "spork", "drafter": "recycle+ngram"},
 }
+# the servers' goodput gates and batch allocation price rows by this CPU-like curve, not by the
+# model's timed one: what they draft (and so what they accept) does not depend on the machine
+CURVE = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.25, 1.5, 2.3, 3.9, 6.8))
 
 
 @dataclass
@@ -57,11 +61,11 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(smollm_f32: LoadedModel) -> Iterator[Served]:
-    generator = Generator(smollm_f32, max_context=CONTEXT)
+    generator = Generator(smollm_f32, max_context=CONTEXT, cost_curve=CURVE)
     app = create_app(generator, model_name=MODEL, queue_size=64)
     with serve_in_background(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        yield Served(url, client, Generator(smollm_f32, max_context=CONTEXT))
+        yield Served(url, client, Generator(smollm_f32, max_context=CONTEXT, cost_curve=CURVE))
         client.close()
 
 

@@ -28,7 +28,7 @@ from specfork.server.metrics import ServerMetrics
 from specfork.server.run import serve_in_background
 from specfork.server.security import host_name
 from specfork.server.worker import EngineWorker, Job, ServerSettings
-from test_server import MODEL, FakeEngine, _serve_args, _until
+from test_server import CURVE, MODEL, FakeEngine, _serve_args, _until
 
 HTTP = httpx.Client(timeout=120)  # generous: a loaded CI machine must not turn into failures
 KEY = "sk-test-0123456789"
@@ -39,9 +39,10 @@ NGRAM = {"strategy": "speculative", "drafter": "ngram", "k": 3}
 
 @pytest.fixture(scope="module")
 def guarded(smollm_f32: LoadedModel) -> Iterator[str]:
-    """A real server with an API key and the vLLM metric prefix."""
+    """A real server with an API key and the vLLM metric prefix (rows priced by a fixed
+    curve, not timed ones: the vLLM counters' test needs its drafts on any machine)."""
     app = create_app(
-        Generator(smollm_f32, max_context=1024),
+        Generator(smollm_f32, max_context=1024, cost_curve=CURVE),
         model_name=MODEL,
         api_key=KEY,
         metrics_prefix="vllm:",

@@ -320,14 +320,22 @@ class Scheduler:
         return propose(running.req)
 
     def _trims(self, drafts: list[Draft], budget: int, roots: int) -> list[int]:
-        """How many nodes each draft keeps: the batch's goodput allocation, within the rows
-        the step has (`budget` after the roots)."""
-        values = [self._values(r.req, d) for r, d in zip(self._decoding(), drafts, strict=True)]
-        if self.config.goodput and any(len(d) for d in drafts):
+        """How many nodes each draft keeps: the batch's goodput allocation among the requests
+        that ask for it (`spec.goodput`; the others verify their drafts whole, their rows and
+        expected tokens counted as fixed), within the rows the step has (`budget` after the
+        roots)."""
+        decoding = self._decoding()
+        kept = [len(d) for d in drafts]
+        gated = [i for i, r in enumerate(decoding) if r.req.spec.goodput and len(drafts[i])]
+        if self.config.goodput and gated:
+            whole = sorted(set(range(len(drafts))) - set(gated))
+            values = [self._values(decoding[i].req, drafts[i]) for i in gated]
             prefill = min(budget, sum(self._prompt_left(r) for r in self.running))
-            kept = allocate(values, roots + prefill, self.generator.cost_curve())
-        else:
-            kept = [len(d) for d in drafts]
+            rows = roots + prefill + sum(len(drafts[i]) for i in whole)
+            tokens = sum(sum(self._values(decoding[i].req, drafts[i])) for i in whole)
+            trimmed = allocate(values, rows, self.generator.cost_curve(), tokens + len(whole))
+            for i, k in zip(gated, trimmed, strict=True):
+                kept[i] = k
         out = []
         for k in kept:  # the best nodes first when the rows run out
             out.append(max(0, min(k, budget)))

@@ -99,7 +99,9 @@ def least_paying_value(roots: int, fixed_rows: int, cost: CostCurve, most: int) 
     return min(roots * (cost(fixed_rows + n) / base - 1) / n for n in range(1, max(most, 1) + 1))
 
 
-def allocate(values: list[list[float]], fixed_rows: int, cost: CostCurve) -> list[int]:
+def allocate(
+    values: list[list[float]], fixed_rows: int, cost: CostCurve, fixed_tokens: float = 0.0
+) -> list[int]:
     """How many draft nodes each request of a batch verifies, to maximise expected tokens per
     unit of cost for the whole batch.
 
@@ -109,7 +111,8 @@ def allocate(values: list[list[float]], fixed_rows: int, cost: CostCurve) -> lis
     sequences are merged, always taking the best next node of any request (so each request's
     nodes stay in order), and the prefix with the best E / c(rows) wins: one request alone
     keeps what its own gate would, and a full batch, whose extra rows cost nearly as much as
-    whole tokens, keeps only the nodes that are nearly sure.
+    whole tokens, keeps only the nodes that are nearly sure. `fixed_tokens` are the tokens
+    expected from rows outside the allocation (requests that verify their drafts whole).
     """
     heads = [(-vs[0], r, 0) for r, vs in enumerate(values) if vs]
     heapq.heapify(heads)
@@ -119,7 +122,7 @@ def allocate(values: list[list[float]], fixed_rows: int, cost: CostCurve) -> lis
         merged.append((-v, r))
         if i + 1 < len(values[r]):
             heapq.heappush(heads, (-values[r][i + 1], r, i + 1))
-    expected, rows = float(len(values)), fixed_rows
+    expected, rows = len(values) + fixed_tokens, fixed_rows
     best, best_value = 0, expected / cost(rows)
     for n, (v, _) in enumerate(merged, start=1):
         expected += v

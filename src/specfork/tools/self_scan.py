@@ -34,17 +34,21 @@ class ScanRow:
 
 
 def candidate_flags(num_layers: int) -> list[tuple[str, SpecConfig]]:
-    """Early exits at 1/4, 1/2, 3/4 depth and skips of the middle third / half."""
+    """Early exits at 1/4, 1/2, 3/4 depth and skips of the middle third / half, each drafting
+    K = 4 tokens ungated: a goodput gate would trim or skip drafts by timed costs, so the
+    acceptance figures would depend on the machine's speed rather than on the layers."""
     n = num_layers
     out: list[tuple[str, SpecConfig]] = []
     for frac in (0.25, 0.5, 0.75):
-        last = max(0, round(n * frac) - 1)
-        out.append((f"--self-layers 0-{last}", SpecConfig("speculative", "self", k=4,
-                                                          self_layers=f"0-{last}")))  # fmt: skip
+        layers = f"0-{max(0, round(n * frac) - 1)}"
+        out.append((f"--self-layers {layers}", _fixed_k(self_layers=layers)))
     for lo, hi in ((n // 3, 2 * n // 3 - 1), (n // 4, 3 * n // 4 - 1)):
-        out.append((f"--skip-layers {lo}-{hi}", SpecConfig("speculative", "self", k=4,
-                                                           skip_layers=f"{lo}-{hi}")))  # fmt: skip
+        out.append((f"--skip-layers {lo}-{hi}", _fixed_k(skip_layers=f"{lo}-{hi}")))
     return out
+
+
+def _fixed_k(**layers: str) -> SpecConfig:
+    return SpecConfig("speculative", "self", k=4, goodput=False, **layers)
 
 
 def scan_self_layers(
