@@ -1,9 +1,11 @@
 """A local stand-in for the Hugging Face Hub, reached through ``HF_ENDPOINT`` in the tests.
 
 It serves just what ``huggingface_hub.snapshot_download`` / ``hf_hub_download`` /
-``HfApi.list_repo_files`` call, with the headers and error codes the real Hub sends:
+``HfApi.model_info`` / ``HfApi.list_repo_files`` call, with the headers and error codes the
+real Hub sends:
 
 - ``GET /api/models/{org}/{name}/revision/{rev}``: the repo info (``sha``, ``siblings``);
+  ``GET /api/models/{org}/{name}`` the same for the default branch (``model_info``);
 - ``GET /api/models/{org}/{name}/tree/{rev}``: the file listing (``recursive`` ignored: flat);
 - ``HEAD`` / ``GET /{org}/{name}/resolve/{rev}/{path}``: ``X-Repo-Commit``, ``ETag`` (plus
   ``X-Linked-Etag`` / ``X-Linked-Size`` for LFS files, like the Hub), ``Content-Length``;
@@ -77,6 +79,8 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             parts = [unquote(p) for p in path.strip("/").split("/")]
             if parts[:2] == ["api", "models"] and len(parts) >= 6:
                 self._api(parts[2] + "/" + parts[3], parts[4], parts[5], body)
+            elif parts[:2] == ["api", "models"] and len(parts) == 4:  # the default branch's info
+                self._api(parts[2] + "/" + parts[3], "revision", "main", body)
             elif len(parts) >= 5 and parts[2] == "resolve":
                 self._resolve(parts[0] + "/" + parts[1], parts[3], "/".join(parts[4:]), body)
             else:

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
+from specfork.drafters.base import EMPTY_DRAFT, Draft, Feedback
+from specfork.drafters.forks import ForkDrafter
+from specfork.drafters.recycle import UNKNOWN
 from specfork.engine import Generator
 from specfork.engine.batch import BatchConfig, Scheduler, generate_batch
 from specfork.errors import ConfigError
@@ -355,3 +358,65 @@ def test_generate_batch_refuses_wrong_types(loaded: LoadedModel, kwargs: dict, w
     args = {"prompts": ["ab"], **kwargs}
     with pytest.raises(ConfigError, match=words):
         generate_batch(Generator(loaded), args.pop("prompts"), chat=False, **args)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_prompt_teaches_the_recycle_table_what_followed_each_tokens_last_occurrence(
+    loaded: LoadedModel, batched: bool
+) -> None:
+    """Prefill computes logits only at each distinct token's newest row (in chunks, alone and
+    in a batch); the recycle table learns what every prompt row's logits would have taught it:
+    row v = the target's top successors after v's last occurrence in the prompt."""
+    model, vocab = loaded.model, loaded.config.vocab_size
+    ids = [7, 3, 9, 3, 7, 11, 3, 5, 9, 7, 2, 3]  # repeats within and across chunks of 4
+    drafter = ForkDrafter(vocab, recycle=True, chains={}, persist=True)
+    gen = Generator(loaded, drafter=drafter, prefill_chunk=4, cost_curve=CURVE)
+    config = GenerationConfig(max_new_tokens=1, ignore_eos=True)
+    if batched:
+        generate_batch(gen, [ids], config=config, batch=BatchConfig(max_running=1, step_rows=4))
+    else:
+        gen.generate(ids, config=config)
+    with torch.inference_mode():
+        every, _ = model.extend_capturing(ids, model.new_cache(len(ids)), ())  # [T, V]
+    width = drafter.table.width
+    for token in set(ids):
+        last = max(i for i, t in enumerate(ids) if t == token)
+        learned = drafter.table.table[token].long()  # [W]
+        best = every[last].topk(width).values  # [W]
+        torch.testing.assert_close(every[last][learned], best, rtol=0, atol=1e-5)
+    assert (drafter.table.table[[1, 4, 6]] == UNKNOWN).all()  # tokens not in the prompt
+
+
+class _LogitRecorder:
+    """A drafter that drafts nothing and records which prompt rows' logits it was given."""
+
+    name, cost, wants_logits, hidden_layers = "recorder", 0.0, True, ()
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[list[int], list[int], int]] = []  # (chunk, rows, logits rows)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        return None
+
+    def propose(self, history, shape, sampling, rng) -> Draft:
+        return EMPTY_DRAFT
+
+    def observe(self, feedback: Feedback) -> None:
+        if feedback.prompt:
+            rows = feedback.logit_rows.tolist()
+            self.seen.append((feedback.tokens.tolist(), rows, feedback.logits.shape[0]))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_prefill_computes_logits_only_at_each_tokens_newest_row(
+    loaded: LoadedModel, batched: bool
+) -> None:
+    ids = [7, 3, 9, 3, 7, 11, 3, 5, 9, 9]
+    recorder = _LogitRecorder()
+    gen = Generator(loaded, drafter=recorder, prefill_chunk=5, cost_curve=CURVE)
+    config = GenerationConfig(max_new_tokens=1, ignore_eos=True)
+    if batched:
+        generate_batch(gen, [ids], config=config, batch=BatchConfig(max_running=1, step_rows=5))
+    else:
+        gen.generate(ids, config=config)
+    assert recorder.seen == [([7, 3, 9, 3, 7], [2, 3, 4], 3), ([11, 3, 5, 9, 9], [0, 1, 2, 4], 4)]

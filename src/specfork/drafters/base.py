@@ -4,7 +4,8 @@ Every round the policy chooses a `DraftShape`; the drafter proposes a scored tre
 last emitted token (a chain is a tree with one path) as a `Draft`; the target verifies every
 node in one forward; the drafter then receives `Feedback`: how much of the history is final
 (rollback point), the accepted path and, when it asks for them, the target's logits and chosen
-blocks' hidden states at every row of that forward (and at every prompt row during prefill).
+blocks' hidden states at every row of that forward (and at the prompt rows during prefill: every
+row's hidden states, the logits of each distinct token's newest row).
 """
 
 from __future__ import annotations
@@ -155,7 +156,10 @@ class Feedback:
     beyond them was rejected. `tokens` [T] are the forward's input rows (a prefill chunk —
     `prompt` true: every row is history — or the round's root followed by the draft's nodes)
     and `path` the accepted nodes (empty for prefill). `logits` [T, V] are the target's
-    logits at those rows, present when the drafter `wants_logits`; `hidden` [C, T, D]
+    logits at those rows, present when the drafter `wants_logits` — of a prompt chunk only at
+    `logit_rows` ([U, V]: each distinct token's newest row, `newest_rows`; full-vocabulary
+    logits at every prompt row would cost up to a second prefill on a large vocabulary, and
+    what followed a token's latest occurrence is all a recycle table keeps); `hidden` [C, T, D]
     (float32) the outputs of the target's blocks named by the drafter's `hidden_layers`, in
     that order, present when it names any.
     """
@@ -166,12 +170,27 @@ class Feedback:
     logits: torch.Tensor | None = None  # [T, V]
     hidden: torch.Tensor | None = None  # [C, T, D]
     prompt: bool = False  # the rows are a prompt chunk
+    logit_rows: torch.Tensor | None = None  # [U] int64: the rows `logits` are of (None: all)
+
+    @property
+    def logit_tokens(self) -> torch.Tensor:
+        """[U] the input tokens whose next-token logits `logits` holds, row for row."""
+        return self.tokens if self.logit_rows is None else self.tokens[self.logit_rows]
 
     @property
     def kept_rows(self) -> list[int]:
         """The rows that became history: every prompt row; a round's root and accepted
         nodes (row 0 is the root, node n is row n + 1)."""
         return list(range(len(self.tokens))) if self.prompt else [0, *(1 + n for n in self.path)]
+
+
+def newest_rows(tokens: torch.Tensor) -> torch.Tensor:
+    """[U] int64, ascending: the index of the last occurrence of each distinct token of
+    `tokens` [T] (the last row always among them)."""
+    ids, inverse = tokens.unique(return_inverse=True)  # [U], [T]
+    rows = torch.arange(tokens.shape[0], device=tokens.device)  # [T]
+    last = torch.full_like(ids, -1).scatter_reduce(0, inverse, rows, "amax")  # [U]
+    return last.sort().values
 
 
 def own_feedback(feedback: Feedback, layers: tuple[int, ...], wanted: tuple[int, ...]) -> Feedback:

@@ -78,7 +78,7 @@ class ForkDrafter:
     def observe(self, feedback: Feedback) -> None:
         """The recycle table learns the target's logits; every source hears the feedback."""
         if self.table is not None and feedback.logits is not None:
-            self.table.update(feedback.tokens, feedback.logits)
+            self.table.update(feedback.logit_tokens, feedback.logits)
         for source in self.chains.values():
             source.observe(own_feedback(feedback, self.hidden_layers, source.hidden_layers))
 

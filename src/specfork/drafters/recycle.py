@@ -15,6 +15,7 @@ import heapq
 
 import torch
 
+from specfork.drafters.base import newest_rows
 from specfork.tree import Tree, TreeBuilder
 
 UNKNOWN = -1  # table entry: no candidate recorded
@@ -78,10 +79,8 @@ class RecycleTable:
             )
         top = logits.topk(self.width, dim=-1).indices.to(self.table.device)  # [T, W]
         # index_put with repeated indices has no defined winner: keep each token's last row
-        ids, inverse = tokens.unique(return_inverse=True)  # [U], [T]
-        rows = torch.arange(tokens.shape[0], device=tokens.device)  # [T]
-        last = torch.full_like(ids, -1).scatter_reduce(0, inverse, rows, "amax")  # [U]
-        self.table[ids] = top[last].to(torch.int32)  # [U, W]
+        last = newest_rows(tokens)  # [U]
+        self.table[tokens[last]] = top[last].to(torch.int32)  # [U, W]
 
     def candidates(self, token: int, k: int | None = None) -> list[int]:
         """Up to k (default: width) known successors of `token`, best first; [] if unknown."""

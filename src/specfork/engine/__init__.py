@@ -18,7 +18,7 @@ import torch
 
 from specfork.cache import KVCache
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.drafters.base import Drafter, Feedback, check_drafter, start
+from specfork.drafters.base import Drafter, Feedback, check_drafter, newest_rows, start
 from specfork.engine.grammar import GrammarState, grammar_tokenizer
 from specfork.engine.lifecycle import GenerationResult, first_tokens, result, stopped, take
 from specfork.engine.logprobs import TokenLogprob
@@ -351,20 +351,22 @@ class Generator:
         return GrammarState(config.constraint, self._grammar_tokenizer, vocab, budget)
 
     def _prefill(self, req: Request) -> torch.Tensor:
-        """Run the prompt; a drafter that learns from the target's logits or hidden states
-        sees every row."""
+        """Run the prompt; a drafter that learns from the target's hidden states sees every
+        row, one that learns from its logits those of each distinct token's newest row."""
         ids, cache, chunk, drafter = req.prompt_ids, req.cache, self.prefill_chunk, req.drafter
         if drafter is None or not (drafter.wants_logits or drafter.hidden_layers):
             return self.model.extend(ids, cache, chunk=chunk)  # [V]
         for i in range(0, len(ids), chunk):
             part = ids[i : i + chunk]
-            last_only = not drafter.wants_logits  # hidden states alone: no [T, V] logits
+            tokens = torch.tensor(part, device=self.model.device)  # [T]
+            rows = newest_rows(tokens) if drafter.wants_logits else None  # [U]
             logits, hidden = self.model.extend_capturing(
-                part, cache, drafter.hidden_layers, last_only=last_only
-            )  # [T or 1, V], [C, T, D]
-            rows = torch.tensor(part, device=logits.device)  # [T]
-            wanted = None if last_only else logits  # [T, V]
-            drafter.observe(Feedback(i + len(part), rows, [], wanted, hidden, prompt=True))
+                part, cache, drafter.hidden_layers, last_only=True, rows=rows
+            )  # [U or 1, V] (the last row last), [C, T, D]
+            wanted = None if rows is None else logits  # [U, V]
+            drafter.observe(
+                Feedback(i + len(part), tokens, [], wanted, hidden, prompt=True, logit_rows=rows)
+            )
         return logits[-1]
 
     def _new_gate(self) -> GoodputGate | TreeGate | None:

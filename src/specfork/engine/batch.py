@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback
+from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback, newest_rows
 from specfork.engine.lifecycle import GenerationResult, first_tokens, result, stopped, take
 from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.prefix import PrefixCache
@@ -444,16 +444,20 @@ class Scheduler:
         self, work: _Work, hidden: torch.Tensor, spans: list[tuple[int, int]]
     ) -> list[torch.Tensor]:
         """Logits of the rows each segment needs: every row of a round; a prompt chunk's last
-        row (every row for a drafter that learns from logits). One LM-head call on
-        batch-invariant models, one per segment otherwise (as alone)."""
+        row (each distinct token's newest row for a drafter that learns from logits: the rows
+        `_prompt_done` tells it of). One LM-head call on batch-invariant models, one per segment
+        otherwise (as alone)."""
         wanted = []
         for i, (a, b) in enumerate(spans):
             if i < len(work.rounds):
                 wanted.append(list(range(a, b)))
                 continue
             drafter = work.chunks[i - len(work.rounds)][0].req.drafter
-            every = drafter is not None and drafter.wants_logits
-            wanted.append(list(range(a, b)) if every else [b - 1])
+            if drafter is not None and drafter.wants_logits:
+                newest = newest_rows(torch.as_tensor(work.segments[i].tokens))  # [U]
+                wanted.append([a + r for r in newest.tolist()])
+            else:
+                wanted.append([b - 1])
         if getattr(self.model, "batch_invariant", False):
             flat = [r for rows in wanted for r in rows]
             logits = self.model.logits(hidden[flat])  # [R, V]
@@ -479,10 +483,11 @@ class Scheduler:
         running.prefilled += rows
         drafter = req.drafter
         if drafter is not None and (drafter.wants_logits or drafter.hidden_layers):
-            dev = logits.device
-            wanted = logits if drafter.wants_logits else None
-            feedback = Feedback(running.prefilled, torch.tensor(part, device=dev), [],
-                                wanted, hidden, prompt=True)  # fmt: skip
+            tokens = torch.tensor(part, device=logits.device)  # [T]
+            rows = newest_rows(tokens) if drafter.wants_logits else None  # [U], as in _logits
+            wanted = logits if drafter.wants_logits else None  # [U, V]
+            feedback = Feedback(running.prefilled, tokens, [], wanted, hidden, prompt=True,
+                                logit_rows=rows)  # fmt: skip
             drafter.observe(feedback)
         if running.prefilling:
             return []

@@ -203,12 +203,15 @@ class _SilentBar(tqdm):
 
 def _gguf_files(ref: HubRef) -> list[str]:
     """The repo's .gguf files (projector files excluded): from the Hub, or from the cache when
-    the Hub cannot be reached."""
+    the Hub cannot be reached. One request for the repo's info (its ``siblings``), not the
+    paginated tree listing: huggingface_hub retries that one with backoff, so an unreachable Hub
+    took ~25 s to be reported."""
     from huggingface_hub import HfApi
 
     try:
         with hub_errors(ref):
-            files = HfApi().list_repo_files(ref.repo_id, revision=ref.revision)
+            info = HfApi().model_info(ref.repo_id, revision=ref.revision)
+        files = [sibling.rfilename for sibling in info.siblings or ()]
     except HubOfflineError:
         files = _cached_files(ref)
         if not files:

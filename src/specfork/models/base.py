@@ -102,19 +102,25 @@ class Steps:
         return self.logits(hidden)
 
     def extend_capturing(
-        self, ids: Sequence[int], cache: KVCache, capture: Sequence[int], last_only: bool = False
+        self,
+        ids: Sequence[int],
+        cache: KVCache,
+        capture: Sequence[int],
+        last_only: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append a chain of tokens in one forward: logits [T, V] of every token ([1, V], the
-        last, with `last_only`) and the outputs [C, T, D] of the blocks in `capture` (None if
-        empty)."""
+        last, with `last_only`; [R, V] of the indices `rows` [R] when given) and the outputs
+        [C, T, D] of the blocks in `capture` (None if empty)."""
         dev = self.device  # type: ignore[attr-defined]
         tokens = torch.tensor(ids, device=dev)  # [T]
         positions = torch.arange(cache.length, cache.length + len(ids), device=dev)  # [T]
         hidden, captured = self.forward_capturing(  # type: ignore[attr-defined]
             tokens[None], positions, cache, capture=capture
         )
-        rows = hidden[0, -1:] if last_only else hidden[0]  # [1 or T, D]
-        return self.logits(rows), captured
+        if rows is not None:
+            return self.logits(hidden[0, rows]), captured  # [R, V]
+        return self.logits(hidden[0, -1:] if last_only else hidden[0]), captured  # [1 or T, V]
 
 
 class DecoderLM(Steps, nn.Module):
