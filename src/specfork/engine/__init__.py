@@ -28,6 +28,7 @@ from specfork.engine.round import run_round
 from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import LoadedModel
+from specfork.loading.registry import cache_dir
 from specfork.models.cost import CostCurve
 from specfork.sampling import make_generator
 from specfork.strategies import build_strategy
@@ -378,8 +379,12 @@ class Generator:
 
     def cost_curve(self) -> CostCurve:
         """What the goodput gates assume a forward of R rows costs: the curve given to the
-        constructor, or the model's own (measured once per model)."""
-        return self._cost_curve or self.model.cost_curve()
+        constructor, or the model's own (measured once per model and machine: stored in the
+        cache folder between processes, `models.cost_cache`)."""
+        if self._cost_curve is None:
+            stored_at = cache_dir() / "cost"
+            self._cost_curve = self.model.cost_curve(self._loaded.path, stored_at)
+        return self._cost_curve
 
     def _take_cache(self, length: int) -> KVCache:
         """A cache of at least `length` slots: a free one when one is big enough, else new."""

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 
 from specfork.cache import KVCache
 from specfork.config import ModelConfig
+from specfork.models import cost_cache
 from specfork.models.cost import CostCurve
 from specfork.models.layers import Linear, RMSNorm, Rotary
 
@@ -51,10 +53,15 @@ class Steps:
     config: ModelConfig
     _cost: CostCurve | None = None
 
-    def cost_curve(self) -> CostCurve:
-        """What a forward of R rows costs relative to one row, measured on first use."""
+    def cost_curve(self, source: Path | None = None, folder: Path | None = None) -> CostCurve:
+        """What a forward of R rows costs relative to one row, measured on first use — or read
+        from `folder` where an earlier process on this machine stored the curve of the weights
+        at `source` (`cost_cache`)."""
         if self._cost is None:
-            self._cost = CostCurve.measure(self)
+            if source is not None and folder is not None:
+                self._cost = cost_cache.load_or_measure(self, source, folder)
+            else:
+                self._cost = CostCurve.measure(self)
             rows = dict(zip(self._cost.rows, (round(c, 2) for c in self._cost.cost), strict=True))
             log.info("forward cost by rows (in one-row forwards): %s", rows)
         return self._cost

@@ -1,0 +1,90 @@
+"""The measured cost curve of a model, kept on disk between processes.
+
+Measuring `CostCurve` takes seconds (3 s for the default model in float16 on two cores, tens of
+seconds in float32), and every `specfork generate` with the goodput gate paid it before its
+first token. The curve is stored as JSON under the cache folder (`cost/`), keyed by the weight
+file's identity and by everything the timings depend on: the backend and precision
+(`describe()`), the device and its name, the thread count and torch's version. A stored curve
+older than `MAX_AGE_DAYS` is measured again (a curve timed while the machine was busy does not
+stay forever); deleting the folder re-measures at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from specfork.atomic import atomic_file
+from specfork.bench.machine import cpu_name
+from specfork.loading.weight_cache import source_digest
+from specfork.models.cost import ROWS, CostCurve
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when the measurement changes
+MAX_AGE_DAYS = 7
+
+
+def curve_file(model: object, source: Path, folder: Path) -> Path:
+    """Where the curve of `model` (loaded from `source`) on this machine is stored."""
+    device = model.device  # type: ignore[attr-defined]
+    identity = (
+        model.describe(),  # type: ignore[attr-defined]
+        model.dtype,  # type: ignore[attr-defined]
+        _device_name(device),
+        torch.get_num_threads(),
+        torch.__version__,
+        ROWS,
+        FORMAT,
+    )
+    return folder / f"{source.stem}-cost-{source_digest(source, *identity)}.json"
+
+
+def load_or_measure(model: object, source: Path | None, folder: Path) -> CostCurve:
+    """The stored curve when one is fresh, else a new measurement (stored when it can be)."""
+    path = curve_file(model, source, folder) if source is not None and source.exists() else None
+    if path is not None:
+        stored = _read(path)
+        if stored is not None:
+            return stored
+    curve = CostCurve.measure(model)
+    if path is not None:
+        _write(curve, path)
+    return curve
+
+
+def _read(path: Path) -> CostCurve | None:
+    try:
+        if time.time() - path.stat().st_mtime > MAX_AGE_DAYS * 86400:
+            return None
+        data = json.loads(path.read_text())
+        rows, cost = tuple(data["rows"]), tuple(float(c) for c in data["cost"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("measuring the cost curve again: %s is unreadable (%s)", path, exc)
+        return None
+    if rows != ROWS or len(cost) != len(rows) or not all(c >= 1.0 for c in cost):
+        log.warning("measuring the cost curve again: %s holds another curve", path)
+        return None
+    return CostCurve(rows, cost)
+
+
+def _write(curve: CostCurve, path: Path) -> None:
+    """Write atomically; a failure only logs a warning (the curve is measured next time)."""
+    try:
+        with atomic_file(path) as tmp:
+            tmp.write_text(json.dumps({"rows": curve.rows, "cost": curve.cost}))
+    except OSError as exc:
+        log.warning("cannot store the cost curve in %s (%s)", path.parent, exc)
+
+
+def _device_name(device: torch.device) -> str:
+    """The processor's model name (the GPU's for CUDA): timings differ between machines."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_name()

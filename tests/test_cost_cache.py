@@ -1,0 +1,96 @@
+"""The cost curve kept on disk between processes (`specfork.models.cost_cache`), on a tiny
+random model: stored at first use, read back instead of measured, measured again when the
+file is stale, unreadable or another curve, and keyed by the weights and the thread count."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from specfork.config import GenerationConfig, SpecConfig
+from specfork.engine import Generator
+from specfork.loading.loader import LoadedModel, load_model
+from specfork.models import cost_cache
+from specfork.models.cost import ROWS
+from tiny_models import tiny_chat_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EDITED = [1.0 + i for i in range(len(ROWS))]  # a valid curve no measurement gives
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    folder = tiny_chat_llama(tmp_path_factory.mktemp("tiny"), chat=False, seed=5)
+    return load_model(str(folder), dtype="float32", kernels=False, progress=False)
+
+
+def _edit(path: Path) -> None:
+    path.write_text(json.dumps({"rows": list(ROWS), "cost": EDITED}))
+
+
+def test_a_stored_curve_is_read_back_instead_of_measured(tiny: LoadedModel, tmp_path) -> None:
+    first = cost_cache.load_or_measure(tiny.model, tiny.path, tmp_path)
+    (path,) = tmp_path.iterdir()
+    assert path == cost_cache.curve_file(tiny.model, tiny.path, tmp_path)
+    assert json.loads(path.read_text())["cost"] == list(first.cost)
+    _edit(path)
+    assert list(cost_cache.load_or_measure(tiny.model, tiny.path, tmp_path).cost) == EDITED
+
+
+@pytest.mark.parametrize("damage", ["stale", "corrupt", "another-curve"])
+def test_a_bad_or_stale_file_is_measured_again(
+    tiny: LoadedModel, tmp_path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = cost_cache.curve_file(tiny.model, tiny.path, tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if damage == "stale":
+        _edit(path)
+        old = time.time() - (cost_cache.MAX_AGE_DAYS + 1) * 86400
+        os.utime(path, (old, old))
+    elif damage == "corrupt":
+        path.write_text('{"rows": [1, 2')
+    else:
+        path.write_text(json.dumps({"rows": [1, 2], "cost": [1.0, 0.5]}))
+    with caplog.at_level(logging.WARNING, logger="specfork.models.cost_cache"):
+        curve = cost_cache.load_or_measure(tiny.model, tiny.path, tmp_path)
+    assert list(curve.cost) != EDITED and curve.rows == ROWS
+    assert json.loads(path.read_text())["cost"] == list(curve.cost)  # stored afresh
+    assert bool(caplog.records) == (damage != "stale")  # a stale file is no fault
+
+
+def test_the_key_follows_the_weights_and_the_thread_count(tiny: LoadedModel, tmp_path) -> None:
+    before = cost_cache.curve_file(tiny.model, tiny.path, tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert cost_cache.curve_file(tiny.model, tiny.path, tmp_path) != before
+    finally:
+        torch.set_num_threads(threads)
+    os.utime(tiny.path, (time.time() + 5, time.time() + 5))  # the weights changed
+    assert cost_cache.curve_file(tiny.model, tiny.path, tmp_path) != before
+
+
+def test_a_generator_stores_the_curve_a_later_process_reads(
+    tiny: LoadedModel, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gated request stores the model's curve in the cache folder; a model loaded again (as
+    by a new process) reads it, and a curve given to the constructor still wins."""
+    monkeypatch.setenv("SPECFORK_CACHE_DIR", str(tmp_path))
+    spec = SpecConfig("speculative", "ngram", k=2)  # the goodput gate on: it needs the curve
+    config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    Generator(tiny, spec=spec).generate("abc abc abc", config=config)
+    (path,) = (tmp_path / "cost").iterdir()
+    _edit(path)
+    again = load_model(str(tiny.path), dtype="float32", kernels=False, progress=False)
+    gen = Generator(again, spec=spec)
+    gen.generate("abc abc abc", config=config)
+    assert list(gen.cost_curve().cost) == EDITED
+    given = Generator(again, spec=spec, cost_curve=tiny.model.cost_curve())
+    assert given.cost_curve() is tiny.model.cost_curve()
