@@ -81,9 +81,12 @@ class _Reader:
         return rows.reshape(shape).transpose(1, 2).reshape(rows.shape).contiguous()
 
 
-def load_gguf_fast(path: Path, kernels: ModuleType) -> FastLM:
-    """The model of a GGUF file on the kernels, at the file's own precision."""
-    reader = open_gguf(path)
+def load_gguf_fast(
+    path: Path, kernels: ModuleType, reader: gguf.GGUFReader | None = None
+) -> FastLM:
+    """The model of a GGUF file on the kernels, at the file's own precision (`reader`: the file
+    already opened)."""
+    reader = reader or open_gguf(path)
     why = unsupported(reader)
     if why:
         raise ModelFormatError(f"{path.name} cannot run at --dtype gguf: {why}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+import gguf
 import torch
 
 from specfork.config import ModelConfig
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: What `--dtype` accepts besides "auto": the torch dtypes, and "gguf" (a GGUF's own blocks).
 PRECISIONS = (*DTYPES, "gguf")
+AUTO_GGUF = ("auto", "gguf")  # the --dtype values that read a GGUF for the kernels
 Model = DecoderLM | FastLM
 
 
@@ -91,12 +93,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_precision(dtype: str | torch.dtype, device: torch.device, path: Path,
-                      kernels: ModuleType | None) -> str:  # fmt: skip
+                      kernels: ModuleType | None,
+                      reader: gguf.GGUFReader | None = None) -> str:  # fmt: skip
     """The precision a model runs in: a `--dtype` value, or for 'auto' the fastest here.
 
     On the CPU with the kernels, a GGUF whose weights the kernels run as stored runs at its own
     precision ("gguf": llama.cpp's model and numerics, the fastest; docs/benchmarks.md);
-    anything else in bf16 where the CPU has bf16 dot products, else fp32.
+    anything else in bf16 where the CPU has bf16 dot products, else fp32. `reader`: the file
+    already opened (else it is opened here when needed).
     """
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
@@ -108,7 +112,7 @@ def resolve_precision(dtype: str | torch.dtype, device: torch.device, path: Path
     if dtype != "auto":
         return dtype
     if kernels is not None and device.type == "cpu" and path.is_file():
-        why = fast_loader.unsupported(gguf_loader.open_gguf(path))
+        why = fast_loader.unsupported(reader or gguf_loader.open_gguf(path))
         if why is None:
             return "gguf"
         log.info("%s runs in bfloat16/float32: %s", path.name, why)
@@ -184,12 +188,16 @@ def load_decoder(
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     module = kernels_for(dev, kernels)
-    precision = resolve_precision(dtype, dev, path, module)
+    # read once for the precision and the weights: parsing a GGUF's metadata (its vocabulary)
+    # is most of a load's time (~3 s for the default model on two cores)
+    wanted = module is not None and dev.type == "cpu" and path.is_file() and dtype in AUTO_GGUF
+    reader = gguf_loader.open_gguf(path) if wanted else None
+    precision = resolve_precision(dtype, dev, path, module, reader)
     if precision == "gguf":
         if module is None:
             raise ConfigError("--dtype gguf runs on specfork's compiled kernels, which are off "
                               "or not available here; use --dtype bfloat16 or float32")  # fmt: skip
-        return fast_loader.load_gguf_fast(path, module)
+        return fast_loader.load_gguf_fast(path, module, reader)
     on_kernels = module is not None and precision in ("bfloat16", "float32")
     model = load_eager(path, DTYPES[precision], dev, relayout=not on_kernels)
     if on_kernels:
