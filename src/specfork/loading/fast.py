@@ -20,6 +20,7 @@ from specfork.errors import ModelFormatError
 from specfork.kernels.pack import GGUF_KINDS, Kind, pack_float, pack_gguf
 from specfork.loading.dequant import _raw_bytes, dequantize
 from specfork.loading.gguf import config_from_gguf, field_value, open_gguf
+from specfork.loading.packed_cache import PackedWeights, packed_file
 from specfork.models.fast import FastLM, LayerWeights
 
 FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
@@ -38,19 +39,24 @@ def unsupported(reader: gguf.GGUFReader) -> str | None:
 
 
 class _Reader:
-    """The tensors of one GGUF file, as packed weights and float vectors."""
+    """The tensors of one GGUF file, as packed weights and float vectors; what it returns is
+    recorded in `packed` (for the cache, `packed_cache`)."""
 
     def __init__(self, reader: gguf.GGUFReader, cfg: ModelConfig, kernels: ModuleType) -> None:
         self.tensors = {t.name: t for t in reader.tensors}
         self.cfg = cfg
         self.kernels = kernels
         self.permuted = field_value(reader, "general.architecture") == "llama"
-
-    def has(self, name: str) -> bool:
-        return name in self.tensors
+        types = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) == 2})
+        self.packed = PackedWeights(cfg, "+".join(types))
 
     def vector(self, name: str) -> torch.Tensor | None:
-        """A float32 vector (norm weights as the file stores them, biases), or None."""
+        """A float32 vector (norm weights as the file stores them), or None."""
+        v = self._vector(name)
+        self.packed.add_vector(name, v)
+        return v
+
+    def _vector(self, name: str) -> torch.Tensor | None:
         t = self.tensors.get(name)
         if t is None:
             return None
@@ -61,13 +67,14 @@ class _Reader:
         """The weight `name` [n, k] (and its bias, if any) as a kernels.Packed."""
         t = self.tensors[name]
         k, n = (int(d) for d in t.shape)
-        bias = self.vector(name.removesuffix("weight") + "bias")
+        bias = self._vector(name.removesuffix("weight") + "bias")
         if t.tensor_type in GGUF_KINDS:
             raw = _raw_bytes(t.data).view(n, -1)  # [n, bytes per row]
             kind, data = pack_gguf(self._unpermute(name, raw), t.tensor_type, n, k)
         else:
             w = dequantize(t.data, t.tensor_type, (n, k), name=name)
             kind, data = Kind.F32, pack_float(self._unpermute(name, w), Kind.F32)
+        self.packed.add_linear(name, int(kind), n, k, data, bias)
         return self.kernels.Packed(int(kind), n, k, data, bias)
 
     def _unpermute(self, name: str, rows: torch.Tensor) -> torch.Tensor:
@@ -81,26 +88,59 @@ class _Reader:
         return rows.reshape(shape).transpose(1, 2).reshape(rows.shape).contiguous()
 
 
+class _Stored:
+    """A packed model read back from the cache, with `_Reader`'s interface."""
+
+    def __init__(self, packed: PackedWeights, kernels: ModuleType) -> None:
+        self.packed, self.cfg, self.kernels = packed, packed.cfg, kernels
+
+    def vector(self, name: str) -> torch.Tensor | None:
+        return self.packed.vector(name)
+
+    def linear(self, name: str) -> object:
+        return self.packed.linear(name, self.kernels)
+
+
 def load_gguf_fast(
-    path: Path, kernels: ModuleType, reader: gguf.GGUFReader | None = None
+    path: Path,
+    kernels: ModuleType,
+    reader: gguf.GGUFReader | None = None,
+    folder: Path | None = None,
 ) -> FastLM:
     """The model of a GGUF file on the kernels, at the file's own precision (`reader`: the file
-    already opened)."""
+    already opened). With `folder`, the packed model is kept there (`packed_cache`) and read
+    back from it by later loads, without opening the GGUF."""
+    stored_at = packed_file(folder, path, kernels) if folder is not None else None
+    stored = PackedWeights.read(stored_at) if stored_at is not None else None
+    if stored is not None:
+        return _assemble(_Stored(stored, kernels))
     reader = reader or open_gguf(path)
     why = unsupported(reader)
     if why:
         raise ModelFormatError(f"{path.name} cannot run at --dtype gguf: {why}")
-    cfg = config_from_gguf(reader, path)
-    r = _Reader(reader, cfg, kernels)
+    r = _Reader(reader, config_from_gguf(reader, path), kernels)
+    model = _assemble(r)
+    if stored_at is not None:
+        r.packed.write(stored_at)
+    return model
+
+
+def is_packed(path: Path, kernels: ModuleType, folder: Path) -> bool:
+    """Whether the GGUF at `path` is in the cache packed for these kernels (which holds only
+    files whose weights the kernels run as stored)."""
+    return packed_file(folder, path, kernels).exists()
+
+
+def _assemble(r: _Reader | _Stored) -> FastLM:
+    cfg = r.cfg
     layers = [_layer(r, i) for i in range(cfg.num_layers)]
     embedding = r.linear("token_embd.weight")
     head = embedding if cfg.tie_embeddings else r.linear("output.weight")
-    types = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) == 2})
-    return FastLM.from_layers(kernels, cfg, "gguf", embedding, [head],
-                              r.vector("output_norm.weight"), layers, "+".join(types))  # fmt: skip
+    return FastLM.from_layers(r.kernels, cfg, "gguf", embedding, [head],
+                              r.vector("output_norm.weight"), layers, r.packed.detail)  # fmt: skip
 
 
-def _layer(r: _Reader, i: int) -> LayerWeights:
+def _layer(r: _Reader | _Stored, i: int) -> LayerWeights:
     b = f"blk.{i}."
     p = {name: r.linear(f"{b}{name}.weight") for name in _LINEARS}
     names = {  # ours: GGUF's (ffn_norm is the pre-MLP norm in both families)
