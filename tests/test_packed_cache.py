@@ -89,3 +89,21 @@ def test_load_model_keeps_the_packed_model_in_the_cache_folder(
     assert [p.name for p in (tmp_path / "weights").iterdir()] == [stored.name]
     bf16 = load_model(gguf, dtype="bfloat16", progress=False)  # another precision: not packed
     assert bf16.model.describe().startswith("bfloat16")
+
+
+def test_a_new_pack_replaces_the_old_one_of_the_same_file(gguf: Path, tmp_path: Path) -> None:
+    """A changed file (or a new kernel build) packs afresh and removes what was packed before
+    from that file; a file of the same name elsewhere keeps its own."""
+    kernels = load_kernels()
+    twin = tmp_path / "elsewhere" / gguf.name
+    twin.parent.mkdir()
+    shutil.copy(gguf, twin)
+    fast.load_gguf_fast(twin, kernels, folder=tmp_path)
+    fast.load_gguf_fast(gguf, kernels, folder=tmp_path)
+    old = packed_file(tmp_path, gguf, kernels)
+    os.utime(gguf, (time.time() + 10, time.time() + 10))  # the file changed
+    fast.load_gguf_fast(gguf, kernels, folder=tmp_path)
+    new = packed_file(tmp_path, gguf, kernels)
+    assert new != old and new.exists() and not old.exists()
+    assert packed_file(tmp_path, twin, kernels).exists()
+    assert len(list(tmp_path.glob("*-packed-*.safetensors"))) == 2

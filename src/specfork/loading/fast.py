@@ -121,7 +121,7 @@ def load_gguf_fast(
     r = _Reader(reader, config_from_gguf(reader, path), kernels)
     model = _assemble(r)
     if stored_at is not None:
-        r.packed.write(stored_at)
+        r.packed.write(stored_at, path)
     return model
 
 

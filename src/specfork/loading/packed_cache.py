@@ -7,7 +7,9 @@ ModelConfig — is saved once as a safetensors file next to the converted weight
 load maps it back without opening the GGUF. The key holds the file's identity, the compiled
 kernels' build (their module name carries a digest of their sources) and the bytes of the
 Python code that packs (`kernels/pack.py`, `loading/fast.py`), so a change to any of them
-packs afresh. Only files whose weights the kernels run as stored are saved.
+packs afresh; a new file replaces the ones packed before from the same source path (each
+names its source in its metadata), so upgrades and edited files leave no stale copies. Only
+files whose weights the kernels run as stored are saved.
 """
 
 from __future__ import annotations
@@ -73,12 +75,15 @@ class PackedWeights:
         data, bias = self.tensors[f"{name}:data"], self.tensors.get(f"{name}:bias")
         return kernels.Packed(kind, n, k, data, bias)
 
-    def write(self, path: Path) -> None:
-        """Save atomically; a failure to write only logs a warning (the GGUF is read again)."""
+    def write(self, path: Path, source: Path) -> None:
+        """Save atomically, then delete what was packed before from the same `source`; a
+        failure to write only logs a warning (the GGUF is read again)."""
+        origin = str(source.resolve())
         meta = {
             "config": json.dumps(self.cfg.to_dict()),
             "linears": json.dumps(self.linears),
             "detail": self.detail,
+            "source": origin,
         }
         tensors = {k: v.contiguous() for k, v in self.tensors.items()}
         try:
@@ -86,6 +91,14 @@ class PackedWeights:
                 save_file(tensors, tmp, metadata=meta)
         except OSError as exc:
             log.warning("cannot cache the packed model at %s (%s)", path, exc)
+            return
+        for other in path.parent.glob(f"{source.stem}-packed-*.safetensors"):
+            if other != path and _source_of(other) == origin:
+                log.info("removing %s, packed before from the same file", other)
+                try:
+                    other.unlink(missing_ok=True)
+                except OSError as exc:  # another user's file, a read-only folder: keep it
+                    log.warning("cannot remove the stale packed model %s (%s)", other, exc)
 
     @classmethod
     def read(cls, path: Path) -> PackedWeights | None:
@@ -107,3 +120,12 @@ class PackedWeights:
             return None
         log.info("loaded the packed model from %s", path)
         return stored
+
+
+def _source_of(path: Path) -> str | None:
+    """The source path a packed file names in its metadata (None: unreadable, or none)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return (f.metadata() or {}).get("source")
+    except (SafetensorError, OSError):
+        return None
