@@ -360,6 +360,20 @@ def test_generate_batch_refuses_wrong_types(loaded: LoadedModel, kwargs: dict, w
         generate_batch(Generator(loaded), args.pop("prompts"), chat=False, **args)
 
 
+def _prefill(
+    loaded: LoadedModel, drafter: object, ids: list[int], chunk: int, batched: bool
+) -> None:
+    """Run `ids` in prompt chunks of `chunk` rows for `drafter` (one new token), alone or
+    through the batch scheduler."""
+    gen = Generator(loaded, drafter=drafter, prefill_chunk=chunk, cost_curve=CURVE)
+    config = GenerationConfig(max_new_tokens=1, ignore_eos=True)
+    if batched:
+        batch = BatchConfig(max_running=1, step_rows=chunk)
+        generate_batch(gen, [ids], config=config, batch=batch)
+    else:
+        gen.generate(ids, config=config)
+
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_a_prompt_teaches_the_recycle_table_what_followed_each_tokens_last_occurrence(
     loaded: LoadedModel, batched: bool
@@ -370,12 +384,7 @@ def test_a_prompt_teaches_the_recycle_table_what_followed_each_tokens_last_occur
     model, vocab = loaded.model, loaded.config.vocab_size
     ids = [7, 3, 9, 3, 7, 11, 3, 5, 9, 7, 2, 3]  # repeats within and across chunks of 4
     drafter = ForkDrafter(vocab, recycle=True, chains={}, persist=True)
-    gen = Generator(loaded, drafter=drafter, prefill_chunk=4, cost_curve=CURVE)
-    config = GenerationConfig(max_new_tokens=1, ignore_eos=True)
-    if batched:
-        generate_batch(gen, [ids], config=config, batch=BatchConfig(max_running=1, step_rows=4))
-    else:
-        gen.generate(ids, config=config)
+    _prefill(loaded, drafter, ids, chunk=4, batched=batched)
     with torch.inference_mode():
         every, _ = model.extend_capturing(ids, model.new_cache(len(ids)), ())  # [T, V]
     width = drafter.table.width
@@ -413,10 +422,5 @@ def test_prefill_computes_logits_only_at_each_tokens_newest_row(
 ) -> None:
     ids = [7, 3, 9, 3, 7, 11, 3, 5, 9, 9]
     recorder = _LogitRecorder()
-    gen = Generator(loaded, drafter=recorder, prefill_chunk=5, cost_curve=CURVE)
-    config = GenerationConfig(max_new_tokens=1, ignore_eos=True)
-    if batched:
-        generate_batch(gen, [ids], config=config, batch=BatchConfig(max_running=1, step_rows=5))
-    else:
-        gen.generate(ids, config=config)
+    _prefill(loaded, recorder, ids, chunk=5, batched=batched)
     assert recorder.seen == [([7, 3, 9, 3, 7], [2, 3, 4], 3), ([11, 3, 5, 9, 9], [0, 1, 2, 4], 4)]
