@@ -3,7 +3,8 @@
 Each version runs in its own worker process (PYTHONPATH = its `src` folder), loads the default
 model once, builds every strategy and warms it up; both use the goodput gate's cost curve that
 A measured (a curve measured in each process would differ by timing noise and make the two
-gates draft differently). Then the prompts are sent to the two workers
+gates draft differently; with `--own-curves` each uses its own, for a change of the kernels,
+whose costs are what changed). Then the prompts are sent to the two workers
 alternately (the version that goes first alternates too), so both see the same machine state.
 Only one worker computes at a time. Prints, per strategy, the median decode tokens/s of each
 version, the median of the per-prompt ratios B / A, and whether both versions emitted the same
@@ -112,6 +113,9 @@ def main() -> None:
     ap.add_argument("--heads", action="store_true", help="also the packaged draft head's chains")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument(
+        "--own-curves", action="store_true", help="each version its own cost curve (kernels)"
+    )
     args = ap.parse_args()
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": 0}
     strategies = {**STRATEGIES, **(HEADS if args.heads else {})}
@@ -121,10 +125,13 @@ def main() -> None:
     picked = select_prompts(load_prompts(args.prompts), per_category=args.per_category)
     prompts = [p.text for p in picked]
     a = Worker(args.a, args.max_new_tokens, strategies, sampling)  # measures the cost curve...
-    b = Worker(args.b, args.max_new_tokens, strategies, sampling, a.curve)  # ...B uses A's
+    given = None if args.own_curves else a.curve  # ...B uses A's, or measures its own
+    b = Worker(args.b, args.max_new_tokens, strategies, sampling, given)
     workers = {"A": a, "B": b}
     print(f"A: {a.describe}; B: {b.describe}; {len(prompts)} prompts; sampling {sampling}")
-    print(f"cost curve (both): rows {a.curve[0]}, cost {[round(c, 2) for c in a.curve[1]]}")
+    for name, worker in workers.items():
+        cost = [round(c, 2) for c in worker.curve[1]]
+        print(f"cost curve {name}: rows {worker.curve[0]}, cost {cost}")
     rows: dict[str, dict[str, list]] = {s: {"A": [], "B": [], "same": []} for s in strategies}
     for i, prompt in enumerate(prompts):
         for strategy in strategies:

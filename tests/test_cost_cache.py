@@ -8,7 +8,9 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -75,6 +77,35 @@ def test_the_key_follows_the_weights_and_the_thread_count(tiny: LoadedModel, tmp
         torch.set_num_threads(threads)
     os.utime(tiny.path, (time.time() + 5, time.time() + 5))  # the weights changed
     assert cost_cache.curve_file(tiny.model, tiny.path, tmp_path) != before
+
+
+@dataclass
+class _OnKernels:
+    """What `curve_file` reads of a model on the kernels, with the kernels' module given."""
+
+    kernels: object
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def describe(self) -> str:
+        return "gguf, cpu, kernels avx2"
+
+
+def test_the_key_follows_the_kernels_build(tiny: LoadedModel, tmp_path) -> None:
+    """New kernels (another build, its module named by its sources' digest) measure afresh."""
+    one = cost_cache.curve_file(
+        _OnKernels(ModuleType("specfork_kernels_aaaa")), tiny.path, tmp_path
+    )
+    two = cost_cache.curve_file(
+        _OnKernels(ModuleType("specfork_kernels_bbbb")), tiny.path, tmp_path
+    )
+    assert one != two
+    assert one == cost_cache.curve_file(
+        _OnKernels(ModuleType("specfork_kernels_aaaa")), tiny.path, tmp_path
+    )
 
 
 def test_a_generator_stores_the_curve_a_later_process_reads(

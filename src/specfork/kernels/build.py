@@ -35,7 +35,10 @@ from specfork.loading.registry import cache_dir
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("common.cpp", "gemm.cpp", "attention.cpp", "rowops.cpp", "head.cpp", "model.cpp")
+SOURCES = (
+    "common.cpp", "gemm.cpp", "gemm_avx2.cpp", "attention.cpp", "rowops.cpp", "head.cpp",
+    "model.cpp",
+)  # fmt: skip
 CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")  # OpenMP: at::parallel_for
 LDFLAGS = ("-fopenmp",)  # links libgomp.so.1, which resolves to the one PyTorch loaded
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",

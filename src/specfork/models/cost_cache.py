@@ -4,7 +4,8 @@ Measuring `CostCurve` takes seconds (3 s for the default model in float16 on two
 seconds in float32), and every `specfork generate` with the goodput gate paid it before its
 first token. The curve is stored as JSON under the cache folder (`cost/`), keyed by the weight
 file's identity and by everything the timings depend on: the backend and precision
-(`describe()`), the device and its name, the thread count and torch's version. A stored curve
+(`describe()`), the compiled kernels' build (a new specfork with faster kernels measures
+afresh), the device and its name, the thread count and torch's version. A stored curve
 older than `MAX_AGE_DAYS` is measured again (a curve timed while the machine was busy does not
 stay forever); deleting the folder re-measures at once.
 """
@@ -35,6 +36,7 @@ def curve_file(model: object, source: Path, folder: Path) -> Path:
     identity = (
         model.describe(),  # type: ignore[attr-defined]
         model.dtype,  # type: ignore[attr-defined]
+        _kernels_build(model),
         _device_name(device),
         torch.get_num_threads(),
         torch.__version__,
@@ -42,6 +44,11 @@ def curve_file(model: object, source: Path, folder: Path) -> Path:
         FORMAT,
     )
     return folder / f"{source.stem}-cost-{source_digest(source, *identity)}.json"
+
+
+def _kernels_build(model: object) -> str:
+    """The compiled kernels' module name (it carries a digest of their sources); '' without."""
+    return getattr(getattr(model, "kernels", None), "__name__", "")
 
 
 def load_or_measure(model: object, source: Path | None, folder: Path) -> CostCurve:

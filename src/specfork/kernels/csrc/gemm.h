@@ -58,6 +58,10 @@ void linear(const PackedLinear& w, Activations& a, float* y, int64_t ldy);
 // parallel pass over all their tiles (each tile computed as `linear` computes it).
 void linear_fused(const std::vector<const PackedLinear*>& ws, Activations& a, float* y, int64_t ldy);
 
+// Tiles t0..t1-1 of w for every row of `a` on AVX2 (gemm_avx2.cpp; x86 builds only).
+void tiles_avx2(const PackedLinear& w, const Activations& a, int64_t t0, int64_t t1, float* y,
+                int64_t ldy);
+
 // The float value of weight (row, col) of a packed matrix (for embedding lookups and tests).
 void unpack_row(const PackedLinear& w, int64_t row, float* out);
 
