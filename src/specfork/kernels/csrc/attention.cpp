@@ -298,63 +298,106 @@ QueriesFn queries_avx512_for(int64_t D, CacheType type) {
   return nullptr;
 }
 
-SF_AVX2 void gather_avx2(const void* base, CacheType type, int64_t head_base, const int32_t* slots,
-                         int64_t n, int64_t D, float* out) {
+// 8 floats of a cache (or of float scratch) from element i: exact conversions, so a key read
+// in place gives the bits it gives gathered.
+template <CacheType T>
+SF_AVX2 inline __m256 load8(const void* base, int64_t i) {
+  if constexpr (T == CacheType::F32) {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+    if constexpr (T == CacheType::F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <CacheType T>
+SF_AVX2 void gather_avx2_typed(const void* base, int64_t head_base, const int32_t* slots, int64_t n,
+                               int64_t D, float* out) {
   for (int64_t j = 0; j < n; ++j) {
     const int64_t at = head_base + static_cast<int64_t>(slots[j]) * D;
-    for (int64_t d = 0; d < D; d += 8) {
-      __m256 x;
-      if (type == CacheType::F32) {
-        x = _mm256_loadu_ps(static_cast<const float*>(base) + at + d);
-      } else {
-        const __m128i h = _mm_loadu_si128(
-            reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + at + d));
-        x = type == CacheType::F16 ? _mm256_cvtph_ps(h)
-                                   : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-      }
-      _mm256_storeu_ps(out + j * D + d, x);
-    }
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + j * D + d, load8<T>(base, at + d));
   }
+}
+
+SF_AVX2 void gather_avx2(const void* base, CacheType type, int64_t head_base, const int32_t* slots,
+                         int64_t n, int64_t D, float* out) {
+  switch (type) {
+    case CacheType::F32: return gather_avx2_typed<CacheType::F32>(base, head_base, slots, n, D, out);
+    case CacheType::F16: return gather_avx2_typed<CacheType::F16>(base, head_base, slots, n, D, out);
+    case CacheType::BF16: return gather_avx2_typed<CacheType::BF16>(base, head_base, slots, n, D, out);
+  }
+}
+
+// Lane j: hsum256(p[j]) for 8 vectors at once, by the same additions in the same order
+// (halves, then lanes k and k+2, then lanes 0 and 1), so a key's score is what one key alone
+// gets.
+SF_AVX2 inline __m256 hsum8(const __m256* p) {
+  __m256 u[4], w[2];
+  for (int i = 0; i < 4; ++i)  // [low + high half of p[2i] | of p[2i+1]]
+    u[i] = _mm256_add_ps(_mm256_permute2f128_ps(p[2 * i], p[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(p[2 * i], p[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i) {  // lanes k + (k+2): [p4i, p4i+2 | p4i+1, p4i+3], 2 lanes each
+    const __m256d a = _mm256_castps_pd(u[2 * i]), b = _mm256_castps_pd(u[2 * i + 1]);
+    w[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], 0x88),  // keys 0 2 4 6 | 1 3 5 7
+                                    _mm256_shuffle_ps(w[0], w[1], 0xdd));
+  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 // o[0:D] = sum over keys i < n of e[i] * V[i], each dimension summed in key order from zero.
 // Keys run outermost over 64 dimensions at a time: 8 independent sums instead of one chain of
 // n dependent multiply-adds per 8 dimensions (the same sums, the same bits).
-SF_AVX2 void weigh_values_avx2(const float* e, const float* V, int64_t n, int64_t D, float* o) {
+template <CacheType T>
+SF_AVX2 void weigh_values_avx2(const float* e, const void* V, int64_t n, int64_t D, float* o) {
   int64_t d0 = 0;
   for (; d0 + 64 <= D; d0 += 64) {
     __m256 acc[8];
     for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {
       const __m256 p = _mm256_set1_ps(e[i]);
-      const float* v = V + i * D + d0;
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, load8<T>(V, i * D + d0 + 8 * c), acc[c]);
     }
     for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + d0 + 8 * c, acc[c]);
   }
   for (int64_t d = d0; d < D; d += 8) {  // the last dimensions (D not a multiple of 64)
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(e[i]), _mm256_loadu_ps(V + i * D + d), acc);
+    for (int64_t i = 0; i < n; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(e[i]), load8<T>(V, i * D + d), acc);
     _mm256_storeu_ps(o + d, acc);
   }
 }
 
-SF_AVX2 Partial chunk_avx2(const float* q, const float* K, const float* V, int64_t n, int64_t D,
-                           float scale, float* e, float* o) {
-  const int64_t vecs = D / 8;
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) {
-    const float* k = K + j * D;
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-    for (int64_t c = 1; c < vecs; ++c)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
-    e[j] = hsum256(acc) * scale;
-    top = std::max(top, e[j]);
+// Scores of q against keys j0 .. j0+7 of K (only the first `keys` of them read; the other lanes
+// are zeros), times the scale.
+template <CacheType T>
+SF_AVX2 inline __m256 scores8(const float* q, const void* K, int64_t j0, int keys, int64_t D,
+                              __m256 scale) {
+  __m256 p[8];
+  const __m256 q0 = _mm256_loadu_ps(q);
+  for (int k = 0; k < 8; ++k) p[k] = k < keys ? _mm256_mul_ps(q0, load8<T>(K, (j0 + k) * D)) : _mm256_setzero_ps();
+  for (int64_t c = 1; c < D / 8; ++c) {
+    const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+    for (int k = 0; k < keys; ++k) p[k] = _mm256_fmadd_ps(qc, load8<T>(K, (j0 + k) * D + 8 * c), p[k]);
   }
+  return _mm256_mul_ps(hsum8(p), scale);
+}
+
+// One query over the n keys and values of a chunk, read as stored (T: float scratch, or the
+// cache itself for a contiguous run of slots; nothing past key n is read).
+template <CacheType T>
+SF_AVX2 Partial chunk_avx2_typed(const float* q, const void* K, const void* V, int64_t n, int64_t D,
+                                 float scale, float* e, float* o) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(e + j, scores8<T>(q, K, j, 8, D, sc));
+  if (j < n) _mm256_storeu_ps(e + j, scores8<T>(q, K, j, static_cast<int>(n - j), D, sc));
+  float top = -std::numeric_limits<float>::infinity();
+  for (j = 0; j < n; ++j) top = std::max(top, e[j]);
   const __m256 m = _mm256_set1_ps(top);
   __m256 sums = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
+  for (j = 0; j + 8 <= n; j += 8) {
     const __m256 x = exp256(_mm256_sub_ps(_mm256_loadu_ps(e + j), m));
     _mm256_storeu_ps(e + j, x);
     sums = _mm256_add_ps(sums, x);
@@ -364,8 +407,25 @@ SF_AVX2 Partial chunk_avx2(const float* q, const float* K, const float* V, int64
     e[j] = std::exp(e[j] - top);
     tail += e[j];
   }
-  weigh_values_avx2(e, V, n, D, o);
+  weigh_values_avx2<T>(e, V, n, D, o);
   return {top, hsum256(sums) + tail};
+}
+
+SF_AVX2 Partial chunk_avx2(const float* q, const float* K, const float* V, int64_t n, int64_t D,
+                           float scale, float* e, float* o) {
+  return chunk_avx2_typed<CacheType::F32>(q, K, V, n, D, scale, e, o);
+}
+
+using ChunkInPlace = Partial (*)(const float*, const void*, const void*, int64_t, int64_t, float,
+                                 float*, float*);
+
+ChunkInPlace chunk_avx2_for(CacheType type) {
+  switch (type) {
+    case CacheType::F32: return chunk_avx2_typed<CacheType::F32>;
+    case CacheType::F16: return chunk_avx2_typed<CacheType::F16>;
+    case CacheType::BF16: return chunk_avx2_typed<CacheType::BF16>;
+  }
+  return nullptr;
 }
 
 #endif  // SF_X86
@@ -538,6 +598,22 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
                                          s.scale, w.e.get(), w.acc.get());
           return;
         }
+#if SF_X86
+        if (!many && chunk == chunk_avx2 && count <= kInPlaceQueries && slots[it.n - 1] - slots[0] == it.n - 1) {
+          // AVX2, few queries over a contiguous run: each query reads the cache in place
+          const size_t bytes = kv.type == CacheType::F32 ? sizeof(float) : sizeof(uint16_t);
+          const int64_t at = (head_base + static_cast<int64_t>(slots[0]) * D) * bytes;
+          const ChunkInPlace one_query = chunk_avx2_for(kv.type);
+          for (const Query& one : w.queries) {
+            const Partial p = one_query(one.q, static_cast<const char*>(kv.k) + at,
+                                        static_cast<const char*>(kv.v) + at, one.n, D, s.scale,
+                                        w.e.get(), one.o);
+            *one.m = p.m;
+            *one.l = p.l;
+          }
+          return;
+        }
+#endif
         fetch(kv.k, kv.type, head_base, slots, it.n, D, w.K.get());
         fetch(kv.v, kv.type, head_base, slots, it.n, D, w.V.get());
         // the AVX-512 scores read keys 16 at a time: the rows after the chunk's last are zeros
