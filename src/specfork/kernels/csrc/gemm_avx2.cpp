@@ -19,6 +19,18 @@ namespace {
 // Rows per pass: 4 rows x 2 halves keep 8 sums plus the unpacked weights in the 16 registers.
 constexpr int kPassRows = 4;
 
+// Asks for the bytes of a block kAhead further on (the next blocks and tiles follow in memory).
+// A one-row step streams ~100 MB of weights from memory: with the hardware prefetcher alone the
+// kernels read ~18 GB/s of the ~24 a two-core Zen 3 VM gives; 6 KB ahead, forwards of 1-4 rows
+// ran 0.74-0.79x the time (16 rows 0.89x; 4-10 KB measured alike). A prefetch changes no result
+// and never faults, past the end of the weights included.
+constexpr int64_t kAhead = 6144;
+
+SF_AVX2 inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + kAhead + at), _MM_HINT_T0);
+}
+
 SF_AVX2 inline __m256i broadcast4(const int8_t* q) {  // 4 int8 codes in every 32-bit lane
   int32_t v;
   std::memcpy(&v, q, 4);
@@ -36,6 +48,7 @@ SF_AVX2 void q4_rows(const uint8_t* wt, int64_t nb, const Activations& a, int64_
   for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = wt + b * 320;
+    prefetch_ahead(p, 320);
     __m256i s[RT][2];
     for (int r = 0; r < RT; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) {  // vector i: inputs 8i..8i+3 (low nibbles), 8i+4.. (high)
@@ -75,6 +88,7 @@ SF_AVX2 void q8_rows(const uint8_t* wt, int64_t nb, const Activations& a, int64_
   for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = wt + b * 544;
+    prefetch_ahead(p, 544);
     __m256i s[RT][2];
     for (int r = 0; r < RT; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
     for (int g = 0; g < 8; ++g) {
@@ -104,6 +118,7 @@ SF_AVX2 void f32_rows(const uint8_t* wt, int64_t nb, const Activations& a, int64
   for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const float* wv = reinterpret_cast<const float*>(wt + b * 2048);
+    prefetch_ahead(wt + b * 2048, 2048);
     for (int i = 0; i < kBlock; ++i) {
       const __m256 w0 = _mm256_loadu_ps(wv + 16 * i), w1 = _mm256_loadu_ps(wv + 16 * i + 8);
       for (int r = 0; r < RT; ++r) {
@@ -123,6 +138,7 @@ SF_AVX2 void bf16_rows(const uint8_t* wt, int64_t nb, const Activations& a, int6
   for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint16_t* wv = reinterpret_cast<const uint16_t*>(wt + b * 1024);
+    prefetch_ahead(wt + b * 1024, 1024);
     for (int pr = 0; pr < kBlock / 2; ++pr) {
       __m256 odd[2], even[2];
       for (int h = 0; h < 2; ++h) {
