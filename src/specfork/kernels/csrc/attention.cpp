@@ -509,6 +509,7 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
   auto fetch = gather;
   auto chunk = chunk_generic;
   QueriesFn many = nullptr;  // all queries of a chunk at once (AVX-512), else one by one
+  bool avx2 = false;  // one query at a time on AVX2 (in place for few queries)
 #if SF_X86
   if (isa_level() == kAvx512 && D % 16 == 0 && queries_avx512_for(D, CacheType::F32) != nullptr) {
     fetch = gather_avx512;
@@ -516,6 +517,7 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
   } else if (isa_level() >= kAvx2 && D % 8 == 0) {
     fetch = gather_avx2;
     chunk = chunk_avx2;
+    avx2 = true;
   }
 #endif
   // chunks of every row (rows numbered across parts), and the most of any row
@@ -581,7 +583,8 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
         }
         const int64_t count = static_cast<int64_t>(w.queries.size());
         const int64_t head_base = it.g * kv.slots * D;
-        if (many && count <= kInPlaceQueries && slots[it.n - 1] - slots[0] == it.n - 1) {
+        const bool in_place = count <= kInPlaceQueries && slots[it.n - 1] - slots[0] == it.n - 1;
+        if (many && in_place) {
           // few queries over a contiguous run: read the cache in place (converting a key for
           // each query costs less than writing and re-reading a float copy of the chunk)
           const int64_t whole = it.n / 16 * 16, at = head_base + static_cast<int64_t>(slots[0]) * D;
@@ -599,7 +602,7 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
           return;
         }
 #if SF_X86
-        if (!many && chunk == chunk_avx2 && count <= kInPlaceQueries && slots[it.n - 1] - slots[0] == it.n - 1) {
+        if (avx2 && in_place) {
           // AVX2, few queries over a contiguous run: each query reads the cache in place
           const size_t bytes = kv.type == CacheType::F32 ? sizeof(float) : sizeof(uint16_t);
           const int64_t at = (head_base + static_cast<int64_t>(slots[0]) * D) * bytes;
