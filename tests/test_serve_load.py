@@ -283,3 +283,33 @@ def test_bad_input_fails_before_loading(script: ModuleType, capsys, tmp_path: Pa
         script.main([*base, "--concurrency", "1,two"])
     assert exc.value.code == 2
     assert "not a list of integers" in capsys.readouterr().err
+
+
+class _Counting:
+    """InProcessServers that record which configuration each started server was for."""
+
+    def __init__(self, servers: InProcessServers) -> None:
+        self.servers, self.started = servers, []
+
+    def serve(self, config: LoadConfig, queue_size: int) -> AbstractContextManager[str]:
+        self.started.append(config.label)
+        return self.servers.serve(config, queue_size)
+
+    def library_check(self, spec: SpecConfig, prompts: Sequence[str], n: int) -> LibraryCheck:
+        return self.servers.library_check(spec, prompts, n)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_every_level_gets_a_fresh_server(tiny_folder: Path) -> None:
+    """Every level asks the same prompts: a server reused across levels would answer the later
+    levels from its prefix cache, so each (configuration, level, repeat) starts its own."""
+    servers = _Counting(_servers(tiny_folder))
+    configs = configurations([("ar (plain)", PLAIN)], max_running=2)
+    settings = LoadSettings(concurrency=(1, 2), requests=2, max_tokens=4, repeats=2)
+    result = sweep(configs, PROMPTS, settings, servers)
+    labels = [c.label for c in configs]
+    assert servers.started == [label for _ in range(2) for label in labels for _ in (1, 2)]
+    assert [(r.config, r.repeat, r.concurrency) for r in result.runs] == [
+        (label, repeat, c) for repeat in range(2) for label in labels for c in (1, 2)
+    ]
+    assert all(s.prompt >= 0 for r in result.runs for s in r.samples)  # the warm-up is not kept

@@ -1,11 +1,12 @@
 """Load runs against `specfork serve`: streamed requests from concurrent clients.
 
-`sweep` starts one server per configuration (a strategy, as `specfork serve --strategy` sets it,
-and a `max_running`) per repeat, the configurations interleaved within each repeat. Each server
-answers a warm-up request, then at every concurrency level C takes the same max(requests,
-2 × the largest level) streamed chat requests (greedy, EOS ignored, so each yields max_tokens
-tokens) from C client threads; request i asks prompt i mod len(prompts). Every request's
-figures and text are kept (`LevelRun`); `specfork.bench.load_report` turns them into
+`sweep` runs every configuration (a strategy, as `specfork serve --strategy` sets it, and a
+`max_running`) at every concurrency level C, the configurations interleaved within each repeat.
+Each (configuration, level) gets a fresh server — an empty prefix cache, so that no level reads
+prompts an earlier level left in it — which answers a warm-up request of its own, then takes the
+same max(requests, 2 × the largest level) streamed chat requests (greedy, EOS ignored, so each
+yields max_tokens tokens) from C client threads; request i asks prompt i mod len(prompts). Every
+request's figures and text are kept (`LevelRun`); `specfork.bench.load_report` turns them into
 medians, tables, ratios and a plot.
 
 `InProcessServers` serves the configurations from one loaded model on the thread that loaded it
@@ -30,6 +31,7 @@ from specfork.errors import ConfigError
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
 WARM_UP_TOKENS = 4
+WARM_UP_PROMPT = "Say hello."  # a server's first request, not one of the measured prompts
 LIBRARY_PROMPTS = 4  # prompts of the library's decode-speed check
 #: --strategies names: name -> (display label, strategy spec as `specfork bench` writes it)
 NAMED_STRATEGIES = {
@@ -286,7 +288,10 @@ def sweep(
     servers: Servers,
     progress: Callable[[str], None] = lambda _: None,
 ) -> SweepResult:
-    """Every configuration at every concurrency level, `settings.repeats` times, interleaved."""
+    """Every configuration at every concurrency level, `settings.repeats` times, interleaved.
+    Each level gets a server of its own: a server's prefix cache keeps the KV of the prompts
+    it has seen, and every level asks the same prompts, so a level run after another on one
+    server would read its prompts from that cache and measure no prefill."""
     result = SweepResult([], {})
     most = max(settings.requests_at(c) for c in settings.concurrency)
     first = prompts[:LIBRARY_PROMPTS]
@@ -297,29 +302,23 @@ def sweep(
                 measured.add(config.strategy)
                 check = servers.library_check(config.spec, first, settings.max_tokens)
                 result.library.setdefault(config.strategy, []).append(check)
-            with servers.serve(config, queue_size=most) as url:
-                result.runs += _levels(url, config, repeat, prompts, settings, progress)
+            for c in settings.concurrency:
+                progress(f"repeat {repeat + 1}: {config.label}, concurrency {c}")
+                with servers.serve(config, queue_size=most) as url:
+                    wall, samples = _level(url, prompts, settings.requests_at(c), c, settings)
+                result.runs.append(LevelRun(config.label, repeat, c, wall, samples))
     return result
 
 
-def _levels(
-    url: str,
-    config: LoadConfig,
-    repeat: int,
-    prompts: Sequence[str],
-    settings: LoadSettings,
-    progress: Callable[[str], None],
-) -> list[LevelRun]:
-    """One server's warm-up, then every concurrency level."""
+def _level(
+    url: str, prompts: Sequence[str], n: int, concurrency: int, settings: LoadSettings
+) -> tuple[float, list[RequestSample]]:
+    """A fresh server's warm-up (a prompt of its own, so no measured prompt is cached by it),
+    then one concurrency level."""
     client = LoadClient(url, settings.max_tokens)
     try:
-        client.request(0, prompts[0], WARM_UP_TOKENS)
-        runs = []
-        for c in settings.concurrency:
-            progress(f"repeat {repeat + 1}: {config.label}, concurrency {c}")
-            wall, samples = run_level(client, prompts, settings.requests_at(c), c)
-            runs.append(LevelRun(config.label, repeat, c, wall, samples))
-        return runs
+        client.request(-1, WARM_UP_PROMPT, WARM_UP_TOKENS)
+        return run_level(client, prompts, n, concurrency)
     finally:
         client.close()
 
