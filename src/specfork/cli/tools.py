@@ -1,6 +1,7 @@
 """The tool commands: `compile` (build the CPU kernels ahead of time), `calibrate` and
 `trace-plot` (DSpark's tuning and inspection), `scan-self` (which layers to self-draft with) and
-`models` (the packaged models, Hugging Face Hub models in the cache, and what is cached)."""
+`models` (the packaged models, Hugging Face Hub models in the cache, and what is cached) and
+`cache` (what the cache folder holds; pruning what is stale, or clearing it)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,24 @@ def add_parser(sub: Any) -> None:
     )
     models.add_argument("--json", action="store_true", help="machine-readable output")
     models.set_defaults(run=run_models)
+    _add_cache_parser(sub)
+
+
+def _add_cache_parser(sub: Any) -> None:
+    cache = sub.add_parser(
+        "cache",
+        help="show what specfork's cache folder holds; --prune or --clear it",
+        description="Lists the cache folder's parts (packaged models, converted and packed "
+        "weights, kernel builds, cost curves, tokenizers) with their sizes and what is stale: "
+        "kernel builds of other versions, weights of changed or deleted files, expired cost "
+        "curves, leftovers of interrupted writes. --prune removes the stale entries; --clear "
+        "removes everything (models are fetched again, kernels rebuilt, on next use).",
+    )
+    what = cache.add_mutually_exclusive_group()
+    what.add_argument("--prune", action="store_true", help="remove the stale entries")
+    what.add_argument("--clear", action="store_true", help="remove every entry")
+    cache.add_argument("--json", action="store_true", help="machine-readable output")
+    cache.set_defaults(run=run_cache)
 
 
 def _add_scan_parser(sub: Any) -> None:
@@ -296,6 +315,72 @@ def _hub_model_args(h: Any) -> list[str]:
     if h.kind == "gguf":
         return [f"{h.repo_id}{at}:{name.rsplit('/', 1)[-1]}" for name in h.gguf_files]
     return [f"{h.repo_id}{at}"]
+
+
+def run_cache(args: argparse.Namespace, err: Console) -> int:
+    from specfork.kernels.build import artifact_key, compiler
+    from specfork.loading import cache_folder
+    from specfork.loading.registry import cache_dir
+
+    folder = cache_dir()
+    cxx = compiler()
+    found = cache_folder.entries(folder, artifact_key(cxx) if cxx else None)
+    removed = None
+    if args.prune:
+        removed = cache_folder.prune(found)
+    elif args.clear:
+        removed = cache_folder.clear(found)
+    if args.json:
+        doc: dict[str, Any] = {"folder": str(folder), "entries": [_entry(e) for e in found]}
+        if removed is not None:
+            doc["removed"] = [str(e.path) for e in removed]
+            doc["freed_bytes"] = sum(e.size for e in removed)
+        print(json.dumps(doc, indent=2))
+        return 0
+    console = Console(highlight=False)
+    if removed is None:
+        _print_cache(console, folder, found)
+        return 0
+    for e in removed:
+        why = f" ({e.stale})" if e.stale else ""
+        console.print(f"removed {e.path}{why}", markup=False, soft_wrap=True)
+    freed = _size(sum(e.size for e in removed))
+    done = f"{len(removed)} entries removed from {folder}, {freed} freed"
+    console.print(done, markup=False, soft_wrap=True)
+    return 0
+
+
+def _entry(e: Any) -> dict:
+    return {"part": e.part, "path": str(e.path), "bytes": e.size, "stale": e.stale or None}
+
+
+def _print_cache(console: Console, folder: Path, found: list[Any]) -> None:
+    if not found:
+        console.print(f"The cache folder {folder} is empty.", markup=False, soft_wrap=True)
+        return
+    table = Table(title=f"specfork cache: {escape(str(folder))}")
+    for col in ("part", "entries", "size", "stale", "stale size"):
+        table.add_column(col, justify="left" if col == "part" else "right")
+    for part in dict.fromkeys(e.part for e in found):
+        mine = [e for e in found if e.part == part]
+        stale = [e for e in mine if e.stale]
+        size, stale_size = sum(e.size for e in mine), sum(e.size for e in stale)
+        table.add_row(part, str(len(mine)), _size(size), str(len(stale)), _size(stale_size))
+    console.print(table)
+    reasons: dict[tuple[str, str], list[Any]] = {}
+    for e in found:
+        if e.stale:
+            reasons.setdefault((e.part, e.stale), []).append(e)
+    if not reasons:
+        console.print("Nothing is stale.")
+        return
+    why = Table(title="stale entries (`specfork cache --json` lists them)")
+    for col in ("part", "why", "entries", "size"):
+        why.add_column(col, justify="right" if col in ("entries", "size") else "left")
+    for (part, reason), group in reasons.items():
+        why.add_row(part, escape(reason), str(len(group)), _size(sum(e.size for e in group)))
+    console.print(why)
+    console.print("`specfork cache --prune` removes the stale entries.", markup=False)
 
 
 def _size(n: int) -> str:

@@ -84,6 +84,11 @@ def artifact_key(cxx: str) -> str:
     return h.hexdigest()[:16]
 
 
+def module_name(key: str) -> str:
+    """The module name of the build `key` (what cache keys built on the kernels hold)."""
+    return f"specfork_kernels_{key}"
+
+
 def load_kernels() -> ModuleType | None:
     """The compiled kernels (built on first use), or None where they cannot run."""
     return kernel_status()[0]
@@ -107,7 +112,7 @@ def _load_or_build() -> ModuleType:
     if cxx is None:
         raise KernelsUnavailable("no C++ compiler to build the kernels (install g++ or set CXX)")
     key = artifact_key(cxx)
-    name = f"specfork_kernels_{key}"
+    name = module_name(key)
     folder = cache_dir() / "kernels" / key
     library = folder / f"{name}.so"
     if _intact(folder, library):

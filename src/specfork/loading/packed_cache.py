@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from specfork.atomic import atomic_file
 from specfork.config import ModelConfig
 from specfork.kernels import pack
-from specfork.loading.weight_cache import source_digest
+from specfork.loading.weight_cache import remove_stale, source_digest
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +36,15 @@ FORMAT = 1  # bump when the saved layout changes
 
 def packed_file(folder: Path, source: Path, kernels: ModuleType) -> Path:
     """Where the packed model of the GGUF at `source` lives for these kernels."""
+    return packed_file_for(folder, source, kernels.__name__)
+
+
+def packed_file_for(folder: Path, source: Path, build: str) -> Path:
+    """`packed_file` for the kernels whose module is named `build` (loaded or not)."""
     code = hashlib.sha256()
     for module_file in (pack.__file__, Path(__file__).with_name("fast.py")):
         code.update(Path(module_file).read_bytes())
-    digest = source_digest(source, FORMAT, kernels.__name__, code.hexdigest())
+    digest = source_digest(source, FORMAT, build, code.hexdigest())
     return folder / f"{source.stem}-packed-{digest}.safetensors"
 
 
@@ -92,13 +97,7 @@ class PackedWeights:
         except OSError as exc:
             log.warning("cannot cache the packed model at %s (%s)", path, exc)
             return
-        for other in path.parent.glob(f"{source.stem}-packed-*.safetensors"):
-            if other != path and _source_of(other) == origin:
-                log.info("removing %s, packed before from the same file", other)
-                try:
-                    other.unlink(missing_ok=True)
-                except OSError as exc:  # another user's file, a read-only folder: keep it
-                    log.warning("cannot remove the stale packed model %s (%s)", other, exc)
+        remove_stale(path, source, f"{source.stem}-packed-*.safetensors")
 
     @classmethod
     def read(cls, path: Path) -> PackedWeights | None:
@@ -120,12 +119,3 @@ class PackedWeights:
             return None
         log.info("loaded the packed model from %s", path)
         return stored
-
-
-def _source_of(path: Path) -> str | None:
-    """The source path a packed file names in its metadata (None: unreadable, or none)."""
-    try:
-        with safe_open(path, framework="pt") as f:
-            return (f.metadata() or {}).get("source")
-    except (SafetensorError, OSError):
-        return None

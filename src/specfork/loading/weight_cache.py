@@ -3,6 +3,9 @@
 Reading a GGUF header (its vocabulary arrays) and dequantizing every tensor takes seconds; the
 result — our own fused weights in the run dtype plus the ModelConfig — is saved once as a
 safetensors file, so later loads of the same unchanged file map it back in a fraction of that.
+Each file names its source path in its metadata, and a new file replaces those converted before
+from the same source in the same dtype (an edited GGUF, an older FORMAT), so upgrades leave no
+stale copies behind.
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ def source_digest(source: Path, *parts: object) -> str:
 def cache_file(folder: Path, source: Path, dtype: torch.dtype) -> Path:
     """Where the converted weights of `source` in `dtype` live (changes with the file)."""
     digest = source_digest(source, dtype, FORMAT)
-    return folder / f"{source.stem}-{str(dtype).removeprefix('torch.')}-{digest}.safetensors"
+    return folder / f"{_stem(source, dtype)}-{digest}.safetensors"
+
+
+def _stem(source: Path, dtype: torch.dtype) -> str:
+    return f"{source.stem}-{str(dtype).removeprefix('torch.')}"
 
 
 def read(path: Path) -> Converted | None:
@@ -54,11 +61,40 @@ def read(path: Path) -> Converted | None:
     return cfg, tensors
 
 
-def write(path: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
-    """Save converted weights atomically; a failure to write only logs a warning."""
+def write(
+    path: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: Path, dtype: torch.dtype
+) -> None:
+    """Save converted weights atomically, then delete those converted before from the same
+    `source` in `dtype`; a failure to write only logs a warning."""
     contiguous = {k: v.contiguous() for k, v in tensors.items()}
+    meta = {"config": json.dumps(cfg.to_dict()), "source": str(source.resolve())}
     try:
         with atomic_file(path) as tmp:
-            save_file(contiguous, tmp, metadata={"config": json.dumps(cfg.to_dict())})
+            save_file(contiguous, tmp, metadata=meta)
     except OSError as exc:
         log.warning("cannot cache converted weights at %s (%s)", path, exc)
+        return
+    remove_stale(path, source, f"{_stem(source, dtype)}-*.safetensors")
+
+
+def remove_stale(path: Path, source: Path, pattern: str) -> None:
+    """Delete the files beside `path` that match `pattern` and name the same `source` in their
+    metadata: what was cached before from that file (it changed, or the format did). A file
+    of a same-named source elsewhere, or one that names none, is kept."""
+    origin = str(source.resolve())
+    for other in path.parent.glob(pattern):
+        if other != path and source_of(other) == origin:
+            log.info("removing %s, cached before from the same file", other)
+            try:
+                other.unlink(missing_ok=True)
+            except OSError as exc:  # another user's file, a read-only folder: keep it
+                log.warning("cannot remove the stale cache file %s (%s)", other, exc)
+
+
+def source_of(path: Path) -> str | None:
+    """The source path a cache file names in its metadata (None: unreadable, or none)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return (f.metadata() or {}).get("source")
+    except (SafetensorError, OSError):
+        return None
