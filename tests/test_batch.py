@@ -159,6 +159,51 @@ def test_the_least_paying_value_bounds_what_the_allocation_keeps() -> None:
     assert sum(allocate(above, 16, CURVE)) > 0
 
 
+def test_prompt_rows_are_sunk_cost_for_the_allocation() -> None:
+    """Beside a 100-row prompt chunk (sunk: it runs whatever is drafted), a decoding request's
+    rows are charged what they add to the forward: on the curve's linear stretch a draft node
+    then pays only if surer than its root, so likely nodes kept when the whole forward is
+    charged to the tokens are dropped — and θ says so before any proposal is made."""
+    likely = [[0.6, 0.36]]
+    assert allocate(likely, 101, CURVE) == [2]  # the step's cost charged to its one token
+    assert allocate(likely, 101, CURVE, sunk_rows=100) == [0]
+    assert allocate(likely, 1, CURVE, sunk_rows=0) == allocate(likely, 1, CURVE)
+    assert least_paying_value(1, 101, CURVE, 8) < 0.2
+    assert least_paying_value(1, 101, CURVE, 8, 100) == pytest.approx(1.0)
+    flat = CostCurve((1, 2, 4), (1.0, 1.0, 1.0))  # rows that cost nothing more: all kept
+    assert allocate([[0.5, 0.2]], 3, flat, sunk_rows=2) == [2]
+
+
+def test_a_request_drafts_nothing_beside_a_prompt_chunk(loaded: LoadedModel) -> None:
+    """A decoding request that drafts alone (its output falls into a loop the n-gram drafter
+    predicts) drafts nothing in the steps that also prefill another request's prompt; both
+    outputs stay those of lone runs."""
+    gen = Generator(loaded, spec=STRATEGIES["ngram"], cost_curve=CURVE, prefill_chunk=16)
+    config = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    scheduler = Scheduler(gen, BatchConfig(max_running=2, step_rows=24))
+    first = scheduler.add(PROMPTS[0], config=config)
+    drafted = 0
+    for _ in range(20):
+        scheduler.step()
+        drafted += scheduler.last_step().draft_rows
+    assert drafted > 0 and first in scheduler.running  # alone it drafts
+    long_prompt = " ".join([PROMPTS[2]] * 4)
+    second = scheduler.add(long_prompt, config=config)
+    texts: dict[int, list[int]] = {}
+    beside = []
+    while scheduler.running:
+        prefilling = second.prefilling
+        for update in scheduler.step():
+            if update.result is not None:
+                texts[id(update.running)] = update.result.token_ids
+        if prefilling and first in scheduler.running:
+            beside.append(scheduler.last_step())
+    assert len(beside) >= 2 and all(r.prefill_rows for r in beside)
+    assert not any(r.draft_rows for r in beside)
+    assert texts[id(first)] == gen.generate(PROMPTS[0], config=config).token_ids
+    assert texts[id(second)] == gen.generate(long_prompt, config=config).token_ids
+
+
 def test_a_full_batch_skips_proposals_that_cannot_pay_and_still_explores(
     loaded: LoadedModel,
 ) -> None:

@@ -301,9 +301,8 @@ class Scheduler:
             return 0.0
         prefill = min(budget, sum(self._prompt_left(r) for r in self.running))
         fixed = len(decoding) + prefill
-        return least_paying_value(
-            len(decoding), fixed, self.generator.cost_curve(), budget - prefill
-        )
+        curve = self.generator.cost_curve()
+        return least_paying_value(len(decoding), fixed, curve, budget - prefill, prefill)
 
     @staticmethod
     def _propose(running: Running, floor: float) -> tuple[DraftShape, Draft, Draft]:
@@ -333,7 +332,8 @@ class Scheduler:
             prefill = min(budget, sum(self._prompt_left(r) for r in self.running))
             rows = roots + prefill + sum(len(drafts[i]) for i in whole)
             tokens = sum(sum(self._values(decoding[i].req, drafts[i])) for i in whole)
-            trimmed = allocate(values, rows, self.generator.cost_curve(), tokens + len(whole))
+            curve = self.generator.cost_curve()
+            trimmed = allocate(values, rows, curve, tokens + len(whole), sunk_rows=prefill)
             for i, k in zip(gated, trimmed, strict=True):
                 kept[i] = k
         out = []

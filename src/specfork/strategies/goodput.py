@@ -24,6 +24,7 @@ from specfork.models.cost import CostCurve
 PRIOR = 0.5  # acceptance assumed at a position not yet observed
 PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
 EXPLORE_EVERY = 16  # a costly drafter the gate has turned off still drafts one token this often
+MIN_COST = 1e-6  # one-row forwards: what rows above sunk ones cost at least
 
 
 @dataclass
@@ -84,23 +85,41 @@ def best_length(rates: list[float], cost: CostCurve, draft_cost: float = 0.0) ->
     return best
 
 
+def _cost_above(cost: CostCurve, rows: int, sunk_rows: int) -> float:
+    """What a forward of `rows` rows costs beyond the `sunk_rows` of them (prompt chunks) that
+    run in it whatever is drafted: c(rows) − c(sunk_rows), or c(rows) when none are sunk (a
+    flat stretch of a measured curve costs a tiny amount, never nothing)."""
+    return max(cost(rows) - (cost(sunk_rows) if sunk_rows > 0 else 0.0), MIN_COST)
+
+
 @functools.lru_cache(maxsize=4096)
-def least_paying_value(roots: int, fixed_rows: int, cost: CostCurve, most: int) -> float:
-    """θ = min over n ≤ `most` of roots · (c(fixed_rows + n) / c(fixed_rows) − 1) / n: `allocate`
-    keeps n draft nodes only if they are worth at least n·θ together (E / c must beat a step
-    of the roots alone), so a request whose nodes are all worth at most θ can only join a
-    kept prefix through nodes of other requests worth more. In a full batch θ is high (16
-    roots on two cores: ~0.6), alone it is the price of one verification row.
+def least_paying_value(
+    roots: int, fixed_rows: int, cost: CostCurve, most: int, sunk_rows: int = 0
+) -> float:
+    """θ = min over n ≤ `most` of roots · (c(F + n) − c(F)) / ((c(F) − s) · n), F the
+    `fixed_rows`, s the cost of the `sunk_rows` among them (see `allocate`): `allocate` keeps
+    n draft nodes only if they are worth at least n·θ together (E / cost must beat a step of
+    the roots alone), so a request whose nodes are all worth at most θ can only join a kept
+    prefix through nodes of other requests worth more. In a full batch θ is high (16 roots on
+    two cores: ~0.6), alone it is the price of one verification row; beside prompt chunks the
+    roots' own share of the step is small and θ is high again.
 
     Memoised: a batch asks it every step with `most` up to its row budget (~130 evaluations of
     the curve, 0.6 ms in Python: 13% of a lone request's step), and the same few arguments
     come back step after step (a `CostCurve` is frozen, so it is a key like the counts)."""
-    base = cost(fixed_rows)
-    return min(roots * (cost(fixed_rows + n) / base - 1) / n for n in range(1, max(most, 1) + 1))
+    base = _cost_above(cost, fixed_rows, sunk_rows)
+    step = cost(fixed_rows)
+    return min(
+        roots * (cost(fixed_rows + n) - step) / (base * n) for n in range(1, max(most, 1) + 1)
+    )
 
 
 def allocate(
-    values: list[list[float]], fixed_rows: int, cost: CostCurve, fixed_tokens: float = 0.0
+    values: list[list[float]],
+    fixed_rows: int,
+    cost: CostCurve,
+    fixed_tokens: float = 0.0,
+    sunk_rows: int = 0,
 ) -> list[int]:
     """How many draft nodes each request of a batch verifies, to maximise expected tokens per
     unit of cost for the whole batch.
@@ -109,10 +128,18 @@ def allocate(
     probability that the node is accepted. The forward already holds `fixed_rows` rows (each
     request's root, prompt chunks); every request emits at least one token. The requests'
     sequences are merged, always taking the best next node of any request (so each request's
-    nodes stay in order), and the prefix with the best E / c(rows) wins: one request alone
+    nodes stay in order), and the prefix with the best E / cost wins: one request alone
     keeps what its own gate would, and a full batch, whose extra rows cost nearly as much as
     whole tokens, keeps only the nodes that are nearly sure. `fixed_tokens` are the tokens
     expected from rows outside the allocation (requests that verify their drafts whole).
+
+    `sunk_rows` of the fixed rows (prompt chunks) run in the forward whatever is drafted, and
+    earn no tokens now: the decoding rows are charged only what they add to the forward,
+    c(rows) − c(sunk_rows). Beside a long prompt chunk that is a row's marginal cost (the
+    weights are read for the prompt anyway), so a draft node pays only if it is about as
+    likely to be accepted as a root row is to emit — charged the whole c(rows), drafts looked
+    nearly free there and displaced prompt rows (n-gram drafts took the batch to 0.90× plain
+    decoding's throughput in a load run whose long prompts kept steps full of prefill).
     """
     heads = [(-vs[0], r, 0) for r, vs in enumerate(values) if vs]
     heapq.heapify(heads)
@@ -123,10 +150,10 @@ def allocate(
         if i + 1 < len(values[r]):
             heapq.heappush(heads, (-values[r][i + 1], r, i + 1))
     expected, rows = len(values) + fixed_tokens, fixed_rows
-    best, best_value = 0, expected / cost(rows)
+    best, best_value = 0, expected / _cost_above(cost, rows, sunk_rows)
     for n, (v, _) in enumerate(merged, start=1):
         expected += v
-        value = expected / cost(rows + n)
+        value = expected / _cost_above(cost, rows + n, sunk_rows)
         if value > best_value:
             best, best_value = n, value
     kept = [0] * len(values)
