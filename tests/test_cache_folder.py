@@ -29,7 +29,7 @@ def _age(path: Path, seconds: float) -> None:
 
 def _converted(folder: Path, source: Path) -> Path:
     path = weight_cache.cache_file(folder / "weights", source, torch.float32)
-    weight_cache.write(path, CFG, {"w": torch.ones(2)}, source, torch.float32)
+    weight_cache.write(path, CFG, {"w": torch.ones(2)}, source)
     return path
 
 

@@ -17,7 +17,7 @@ CFG = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position=64)
 
 def _write(folder: Path, source: Path, dtype: torch.dtype, value: float) -> Path:
     path = weight_cache.cache_file(folder, source, dtype)
-    weight_cache.write(path, CFG, {"w": torch.full((2, 3), value, dtype=dtype)}, source, dtype)
+    weight_cache.write(path, CFG, {"w": torch.full((2, 3), value, dtype=dtype)}, source)
     return path
 
 

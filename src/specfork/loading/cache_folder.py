@@ -28,7 +28,10 @@ from pathlib import Path
 
 import torch
 
+from specfork.kernels.build import module_name
 from specfork.loading import weight_cache
+from specfork.loading.packed_cache import packed_file_for
+from specfork.models.cost_cache import MAX_AGE_DAYS
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +55,12 @@ def entries(folder: Path, kernels_key: str | None) -> list[Entry]:
     installation's kernel build (`kernels.build.artifact_key`; None: unknown, builds kept)."""
     out = []
     for part in PARTS:
-        where = folder / part
-        if not where.is_dir():
+        try:
+            paths = sorted((folder / part).iterdir()) if (folder / part).is_dir() else []
+        except OSError as exc:  # an unreadable folder: listed as nothing, never removed
+            log.warning("cannot read %s (%s)", folder / part, exc)
             continue
-        for path in sorted(where.iterdir()):
-            out.append(Entry(part, path, _size(path), _why_stale(part, path, kernels_key)))
+        out += [Entry(part, p, _size(p), _why_stale(part, p, kernels_key)) for p in paths]
     return out
 
 
@@ -79,11 +83,8 @@ def _why_stale(part: str, path: Path, kernels_key: str | None) -> str:
         return "a build of other sources, PyTorch, compiler or CPU"
     if part == "weights" and path.suffix == ".safetensors":
         return _stale_weights(path, kernels_key)
-    if part == "cost" and path.suffix == ".json":
-        from specfork.models.cost_cache import MAX_AGE_DAYS
-
-        if _age(path) > MAX_AGE_DAYS * 86400:
-            return f"older than {MAX_AGE_DAYS} days (measured again when next needed)"
+    if part == "cost" and path.suffix == ".json" and _age(path) > MAX_AGE_DAYS * 86400:
+        return f"older than {MAX_AGE_DAYS} days (measured again when next needed)"
     return ""
 
 
@@ -99,9 +100,6 @@ def _stale_weights(path: Path, kernels_key: str | None) -> str:
     if kind == "packed":
         if kernels_key is None:
             return ""
-        from specfork.kernels.build import module_name
-        from specfork.loading.packed_cache import packed_file_for
-
         expected = packed_file_for(path.parent, source, module_name(kernels_key))
     elif kind in DTYPES:
         expected = weight_cache.cache_file(path.parent, source, DTYPES[kind])

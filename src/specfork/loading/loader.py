@@ -231,7 +231,7 @@ def load_eager(path: Path, dt: torch.dtype, dev: torch.device, relayout: bool = 
     except (KeyError, RuntimeError) as exc:
         raise ModelFormatError(f"{path}: weights do not match the model config: {exc}") from exc
     if path.is_file() and not cached_at.exists():
-        weight_cache.write(cached_at, cfg, weights, path, dt)  # only weights that loaded
+        weight_cache.write(cached_at, cfg, weights, path)  # only weights that loaded are cached
     weights.clear()  # the model owns its tensors now; re-layouts below may free the originals
     for rotary in (model.rotary, model.rotary_local):
         if rotary is not None:

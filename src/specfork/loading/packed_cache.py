@@ -97,7 +97,7 @@ class PackedWeights:
         except OSError as exc:
             log.warning("cannot cache the packed model at %s (%s)", path, exc)
             return
-        remove_stale(path, source, f"{source.stem}-packed-*.safetensors")
+        remove_stale(path, source)
 
     @classmethod
     def read(cls, path: Path) -> PackedWeights | None:

@@ -10,6 +10,7 @@ stale copies behind.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -39,11 +40,7 @@ def source_digest(source: Path, *parts: object) -> str:
 def cache_file(folder: Path, source: Path, dtype: torch.dtype) -> Path:
     """Where the converted weights of `source` in `dtype` live (changes with the file)."""
     digest = source_digest(source, dtype, FORMAT)
-    return folder / f"{_stem(source, dtype)}-{digest}.safetensors"
-
-
-def _stem(source: Path, dtype: torch.dtype) -> str:
-    return f"{source.stem}-{str(dtype).removeprefix('torch.')}"
+    return folder / f"{source.stem}-{str(dtype).removeprefix('torch.')}-{digest}.safetensors"
 
 
 def read(path: Path) -> Converted | None:
@@ -61,11 +58,9 @@ def read(path: Path) -> Converted | None:
     return cfg, tensors
 
 
-def write(
-    path: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: Path, dtype: torch.dtype
-) -> None:
+def write(path: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: Path) -> None:
     """Save converted weights atomically, then delete those converted before from the same
-    `source` in `dtype`; a failure to write only logs a warning."""
+    `source` in the same dtype; a failure to write only logs a warning."""
     contiguous = {k: v.contiguous() for k, v in tensors.items()}
     meta = {"config": json.dumps(cfg.to_dict()), "source": str(source.resolve())}
     try:
@@ -74,14 +69,16 @@ def write(
     except OSError as exc:
         log.warning("cannot cache converted weights at %s (%s)", path, exc)
         return
-    remove_stale(path, source, f"{_stem(source, dtype)}-*.safetensors")
+    remove_stale(path, source)
 
 
-def remove_stale(path: Path, source: Path, pattern: str) -> None:
-    """Delete the files beside `path` that match `pattern` and name the same `source` in their
-    metadata: what was cached before from that file (it changed, or the format did). A file
-    of a same-named source elsewhere, or one that names none, is kept."""
+def remove_stale(path: Path, source: Path) -> None:
+    """Delete the files beside `path` that differ from it only in their digest (its name up to
+    the last "-": the same source stem and kind) and name the same `source` in their metadata:
+    what was cached before from that file (it changed, or the format did). A file of a
+    same-named source elsewhere, or one that names none, is kept."""
     origin = str(source.resolve())
+    pattern = f"{glob.escape(path.name.rsplit('-', 1)[0])}-*{path.suffix}"
     for other in path.parent.glob(pattern):
         if other != path and source_of(other) == origin:
             log.info("removing %s, cached before from the same file", other)
