@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CUDA check for a machine with an NVIDIA GPU and no network (at most ~8 minutes).
+# CUDA check for a machine with an NVIDIA GPU and no network (at most ~14 minutes; ~6 on an H200).
 #
 # Uses the Python and CUDA build of torch found on the machine and the project source (nothing
 # is installed: the project's dependencies must be importable already). The packaged model
@@ -23,13 +23,23 @@ print("torch", torch.__version__, "cuda", torch.version.cuda)
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
 PY
 
-# 1. exactness on the GPU (fp32 exact, bf16 differences at near-ties only)
-timeout 300 "$py" -m pytest -q tests/test_cuda.py --junitxml="$out/cuda-tests.xml" \
-    2>&1 | tail -20 | tee "$out/cuda-tests.txt"
+# 1. exactness on the GPU (fp32 exact, bf16 differences at near-ties only), batching, the
+#    prefix cache and the server on a GPU model
+timeout 360 "$py" -m pytest -q -rA tests/test_cuda.py --junitxml="$out/cuda-tests.xml" \
+    > "$out/cuda-tests.txt" 2>&1
+tail -25 "$out/cuda-tests.txt"
 
-# 2. a small interleaved bench on the GPU
+# 2. the command line on the GPU
+timeout 120 "$py" -m specfork.cli generate --device cuda --strategy spork --drafter recycle+ngram \
+    -n 48 --ignore-eos "Explain how a refrigerator works." 2>&1 | tail -8 | tee "$out/generate.txt"
+
+# 3. a small interleaved bench on the GPU
 timeout 240 "$py" -m specfork.cli bench --device cuda --dtype bfloat16 \
     --prompts benchmarks/prompts/specbench-dev.jsonl --per-category 1 --limit 6 -n 64 \
     --repeats 1 --no-plots --out "$out/bench" \
-    --strategies 'ar,speculative:ngram?k=4,dspark:ngram,spork:recycle+ngram' \
+    --strategies 'ar,speculative:ngram?k=4,dspark:ngram,spork:recycle+ngram,speculative:head' \
     2>&1 | tail -30 | tee "$out/bench.txt"
+
+# 4. where a step's time goes on the device (host time per operation; forwards by rows)
+timeout 120 "$py" benchmarks/gpu_profile.py --device cuda --dtype bfloat16 > "$out/profile.txt" 2>&1
+grep -E '^(ar|ngram):|^forward of' "$out/profile.txt"

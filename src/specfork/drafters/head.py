@@ -66,16 +66,18 @@ class HeadDrafter:
         given, measures it from the proposals instead (shared by every request's drafter)."""
         self.head = head
         self.model = model  # for its input embeddings only
+        self.device = model.device  # the head runs where the target's features are
         self.name = name
         self.wants_logits = False
         self.hidden_layers: tuple[int, ...] = tuple(head.config.feature_layers)
         self.static_cost = self.weights_cost(head, model) if cost is None else cost
         self.meter = meter
         d = head.config.hidden_size
-        self.features = torch.zeros(0, len(self.hidden_layers) * d)  # [positions, C·D]
+        dev = self.device
+        self.features = torch.zeros(0, len(self.hidden_layers) * d, device=dev)  # [pos, C·D]
         self.known = 0  # positions whose features arrived
         c = head.config
-        self.keys = torch.zeros(1, c.num_kv_heads, 0, c.head_dim)  # [1, Hkv, S, hd]
+        self.keys = torch.zeros(1, c.num_kv_heads, 0, c.head_dim, device=dev)  # [1, Hkv, S, hd]
         self.values = torch.zeros_like(self.keys)
         self.cached = 0  # positions in the head's cache (teacher forced)
 
@@ -114,7 +116,7 @@ class HeadDrafter:
     def _grow_features(self, length: int) -> None:
         size, width = self.features.shape
         if size < length:
-            grown = torch.zeros(max(length, 2 * size, 256), width)  # [positions, C·D]
+            grown = torch.zeros(max(length, 2 * size, 256), width, device=self.device)  # [P, CD]
             grown[:size] = self.features
             self.features = grown
 
@@ -225,10 +227,10 @@ class HeadDrafter:
         least the last); returns its output g [D] at the last one."""
         last = len(history) - 2  # the last position the target ran (history[-1] is the root)
         start = min(self.cached, max(last, 0))
-        ids = torch.tensor(history[start + 1 : last + 2])  # the token after each position
+        ids = torch.tensor(history[start + 1 : last + 2], device=self.device)  # [T] next tokens
         embeds = self.model.embed_rows(ids).to(self.head.dtype)  # [T, D]
         feats = self.head.fuse(self.features[start : last + 1])  # [T, D]
-        positions = torch.arange(start, last + 1)  # [T]
+        positions = torch.arange(start, last + 1, device=self.device)  # [T]
         g = self._rows(embeds, feats, positions, start, None)  # [T, D]
         self.cached = last + 1
         return g[-1]
@@ -237,16 +239,19 @@ class HeadDrafter:
         """Run the rows of `nodes` (fed their parents' outputs); their draft logits [N, Vd]."""
         parents = [grown.parent[n] for n in nodes]
         feats = torch.stack([grown.root if p < 0 else grown.outputs[p] for p in parents])  # [N, D]
-        embeds = self.model.embed_rows(torch.tensor([grown.token[n] for n in nodes]))
+        tokens = torch.tensor([grown.token[n] for n in nodes], device=self.device)  # [N]
+        embeds = self.model.embed_rows(tokens)
         embeds = embeds.to(self.head.dtype)  # [N, D]
         prefix, start = grown.prefix, self.cached
-        positions = torch.tensor([prefix + grown.depth[n] - 1 for n in nodes])  # [N]
+        depths = [prefix + grown.depth[n] - 1 for n in nodes]
+        positions = torch.tensor(depths, device=self.device)  # [N]
         grown.slot.update({n: start + i for i, n in enumerate(nodes)})
         mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # [N, S]
         mask[:, :prefix] = True  # the committed positions
         for row, n in enumerate(nodes):
             for a in grown.ancestors(n):  # itself and its drafted ancestors
                 mask[row, grown.slot[a]] = True
+        mask = mask.to(self.device)  # built on the host: one copy, not one per element
         g = self._rows(embeds, feats, positions, start, mask)  # [N, D]
         self.cached = start + len(nodes)
         for row, n in enumerate(nodes):
@@ -271,13 +276,14 @@ class HeadDrafter:
         if size < length:
             grown = max(length, 2 * size, 256)
             shape = (*self.keys.shape[:2], grown, self.keys.shape[3])
-            keys = torch.zeros(shape, dtype=self.keys.dtype)  # [1, Hkv, S, hd]
-            values = torch.zeros(shape, dtype=self.values.dtype)
+            keys = self.keys.new_zeros(shape)  # [1, Hkv, S, hd]
+            values = self.values.new_zeros(shape)
             keys[:, :, :size], values[:, :, :size] = self.keys, self.values
             self.keys, self.values = keys, values
 
     def _to_target(self, draft: torch.Tensor) -> torch.Tensor:
         """Draft logits [N, Vd] placed in the target's vocabulary [N, V] (-inf elsewhere)."""
-        full = torch.full((draft.shape[0], self.head.config.target_vocab), float("-inf"))
+        shape = (draft.shape[0], self.head.config.target_vocab)
+        full = torch.full(shape, float("-inf"), device=draft.device)  # [N, V]
         full[:, self.head.d2t] = draft
         return full

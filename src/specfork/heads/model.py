@@ -218,7 +218,7 @@ class DraftHead(nn.Module):
         keys[:, :, start : start + t] = k
         values[:, :, start : start + t] = v
         if mask is None:
-            mask = torch.ones(t, start + t, dtype=torch.bool).tril(start)  # [T, S] causal
+            mask = torch.ones(t, start + t, dtype=torch.bool, device=q.device).tril(start)
         seen = (keys[:, :, : start + t].to(q.dtype), values[:, :, : start + t].to(q.dtype))
         attended = self.attend(q, *seen, mask)
         return self.finish(feats[None], attended)[0]

@@ -118,7 +118,7 @@ def _draft_head(path: str, target: LoadedModel) -> Drafter:
     from specfork.models.cost import one_row_seconds
 
     folder = Path(path) if path else packaged_head(target)
-    head = load_head(folder, target.model.config)
+    head = load_head(folder, target.model.config).to(target.model.device)  # beside its features
     cost = HeadDrafter.weights_cost(head, target.model)
     kernels = getattr(target.model, "kernels", None)  # a FastLM target runs on the kernels
     if kernels is not None and can_pack(head):
