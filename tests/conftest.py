@@ -7,11 +7,26 @@ results are exact and comparable with transformers' reference on every machine.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from specfork.loading.loader import LoadedModel, load_model
-from specfork.loading.registry import DEFAULT_MODEL
+from specfork.loading.registry import DEFAULT_MODEL, cache_dir
+from specfork.loading.weight_cache import source_of
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _converted_test_models_leave_the_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Tests load tiny models written to temporary folders, and loading converts them into the
+    cache folder's `weights/` like any model: those conversions (float32 copies, kernel packs)
+    are removed when the session ends, so the suite leaves the user's cache as it found it."""
+    yield
+    base = str(tmp_path_factory.getbasetemp().resolve()) + os.sep
+    for path in (cache_dir() / "weights").glob("*.safetensors"):
+        if (source_of(path) or "").startswith(base):
+            path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

@@ -204,6 +204,24 @@ def test_a_request_drafts_nothing_beside_a_prompt_chunk(loaded: LoadedModel) -> 
     assert texts[id(second)] == gen.generate(long_prompt, config=config).token_ids
 
 
+def test_the_sunk_prompt_rows_are_the_rows_the_step_prefills(loaded: LoadedModel) -> None:
+    """The rows the allocation counts as sunk are the prompt rows the step runs: one prefill
+    chunk per prefilling request, not every prompt token left up to the row budget."""
+    gen = Generator(loaded, cost_curve=CURVE, prefill_chunk=16)
+    config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    scheduler = Scheduler(gen, BatchConfig(max_running=3, step_rows=64))
+    long_prompt = " ".join([PROMPTS[2]] * 4)  # ~80 tokens: several chunks
+    for _ in range(2):
+        scheduler.add(long_prompt, config=config)
+    estimates = []
+    while any(r.prefilling for r in scheduler.running) or not estimates:
+        budget = 64 - sum(not r.prefilling for r in scheduler.running)
+        estimates.append(scheduler._prompt_rows(budget))
+        scheduler.step()
+        assert scheduler.last_step().prefill_rows == estimates[-1]
+    assert estimates[0] == 32  # two chunks of 16 (all the prompt left, up to 63 rows: 63)
+
+
 def test_a_full_batch_skips_proposals_that_cannot_pay_and_still_explores(
     loaded: LoadedModel,
 ) -> None:

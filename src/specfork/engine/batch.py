@@ -299,10 +299,10 @@ class Scheduler:
         gated = any(isinstance(r.req.gate, GoodputGate) for r in decoding)
         if not self.config.goodput or budget < 1 or not gated:
             return 0.0
-        prefill = min(budget, sum(self._prompt_left(r) for r in self.running))
+        prefill = self._prompt_rows(budget)
         fixed = len(decoding) + prefill
         curve = self.generator.cost_curve()
-        return least_paying_value(len(decoding), fixed, curve, budget - prefill, prefill)
+        return least_paying_value(len(decoding), fixed, curve, max(0, budget - prefill), prefill)
 
     @staticmethod
     def _propose(running: Running, floor: float) -> tuple[DraftShape, Draft, Draft]:
@@ -329,7 +329,7 @@ class Scheduler:
         if self.config.goodput and gated:
             whole = sorted(set(range(len(drafts))) - set(gated))
             values = [self._values(decoding[i].req, drafts[i]) for i in gated]
-            prefill = min(budget, sum(self._prompt_left(r) for r in self.running))
+            prefill = self._prompt_rows(budget)
             rows = roots + prefill + sum(len(drafts[i]) for i in whole)
             tokens = sum(sum(self._values(decoding[i].req, drafts[i])) for i in whole)
             curve = self.generator.cost_curve()
@@ -344,6 +344,17 @@ class Scheduler:
 
     def _decoding(self) -> list[Running]:
         return [r for r in self.running if not r.prefilling]
+
+    def _prompt_rows(self, budget: int) -> int:
+        """The prompt rows this step's chunks hold when `budget` rows are left for them: what
+        `_schedule` gives the prefilling requests in arrival order (each within its prefill
+        chunk), the rows the allocation counts as sunk."""
+        rows = 0
+        for running in self.running:
+            if running.prefilling and budget > 0:
+                chunk = self._chunk(running, budget)
+                rows, budget = rows + chunk, budget - chunk
+        return rows
 
     @staticmethod
     def _prompt_left(running: Running) -> int:
