@@ -39,6 +39,7 @@ from transformers import (
 from specfork.kernels import load_kernels
 from specfork.loading.loader import load_decoder
 from specfork.models import DecoderLM
+from specfork.models.base import Segment
 from tiny_models import TINY, VOCAB, randomize
 
 ATOL = 1e-4  # max abs logit difference allowed (fp32 on both sides)
@@ -369,6 +370,54 @@ def test_tree_mask_then_keep_branch(pairs, name: str, backend: str) -> None:
     steps = [pair.run(cache_, tail[i : i + 1]) for i in range(len(tail))]
     ref = pair.ref(torch.cat((prefix, nodes[list(BRANCH_A)], tail)))[-len(tail) :]
     assert_close(torch.cat(steps), ref, f"{name} after keep")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", IDS)
+def test_a_batch_step_matches_the_reference_per_sequence(pairs, name: str, backend: str) -> None:
+    """Three sequences in one `forward_batch` (a chain, a tree with its mask, one row), each
+    after its own prefix (past the sliding windows for one of them), then a second batch step
+    after the tree kept a branch: every row's logits are the reference model's for its own
+    sequence."""
+    pair = pairs(name, backend)
+    model = pair.ours
+    lengths = (20, 3, 12)
+    prefixes = [tokens_of(n, 20 + i) for i, n in enumerate(lengths)]
+    chain, nodes, one = tokens_of(3, 30), tokens_of(len(TREE_PARENTS), 31), tokens_of(1, 32)
+    mask, depth = tree_mask_and_depths(TREE_PARENTS)
+    caches = [model.new_cache(64) for _ in prefixes]
+    for c, prefix in zip(caches, prefixes, strict=True):
+        pair.run(c, prefix)
+    p0, p1, p2 = lengths
+    segments = [
+        Segment(chain, torch.arange(p0, p0 + 3), caches[0]),
+        Segment(nodes, p1 + depth, caches[1], mask),
+        Segment(one, torch.tensor([p2]), caches[2]),
+    ]
+    with torch.no_grad():
+        logits = model.logits(model.forward_batch(segments)[0])  # [3 + N + 1, V]
+    n = len(TREE_PARENTS)
+    got_chain, got_tree, got_one = logits[:3], logits[3 : 3 + n], logits[3 + n :]
+    assert_close(got_chain, pair.ref(torch.cat((prefixes[0], chain)))[p0:], f"{name} chain")
+    ref = pair.ref(torch.cat((prefixes[1], nodes[list(BRANCH_A)])))[p1:]
+    assert_close(got_tree[list(BRANCH_A)], ref, f"{name} tree branch A")
+    assert_close(got_one, pair.ref(torch.cat((prefixes[2], one)))[p2:], f"{name} one row")
+    caches[1].keep([p1 + i for i in BRANCH_A])
+    histories = [
+        torch.cat((prefixes[0], chain)),
+        torch.cat((prefixes[1], nodes[list(BRANCH_A)])),
+        torch.cat((prefixes[2], one)),
+    ]
+    nxt = tokens_of(3, 33)
+    segments = [
+        Segment(nxt[i : i + 1], torch.tensor([len(h)]), c)
+        for i, (h, c) in enumerate(zip(histories, caches, strict=True))
+    ]
+    with torch.no_grad():
+        logits = model.logits(model.forward_batch(segments)[0])  # [3, V]
+    for i, h in enumerate(histories):
+        ref = pair.ref(torch.cat((h, nxt[i : i + 1])))[-1:]
+        assert_close(logits[i : i + 1], ref, f"{name} second step, sequence {i}")
 
 
 def v4_layout(config: dict) -> dict:

@@ -23,7 +23,7 @@ from specfork.cache import KVCache
 from specfork.config import ModelConfig
 from specfork.models import cost_cache
 from specfork.models.cost import CostCurve
-from specfork.models.layers import Linear, RMSNorm, Rotary
+from specfork.models.layers import Linear, PackedRows, RMSNorm, Rotary
 
 log = logging.getLogger(__name__)
 
@@ -65,24 +65,6 @@ class Steps:
             rows = dict(zip(self._cost.rows, (round(c, 2) for c in self._cost.cost), strict=True))
             log.info("forward cost by rows (in one-row forwards): %s", rows)
         return self._cost
-
-    def forward_batch(
-        self, segments: Sequence[Segment], capture: Sequence[int] = ()
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Several sequences in one step: hidden states [T, D] of all their rows (segment
-        order) and the outputs [C, T, D] of the blocks in `capture` (None if none). Each
-        segment attends to its own cache only. This one runs the segments one after another;
-        a model that can pack them in one forward overrides it (FastLM)."""
-        if len(segments) != len({id(s.cache) for s in segments}):
-            raise ValueError("two segments of a batch share a cache")
-        hidden, captured = [], []
-        for seg in segments:
-            h, c = self.forward_capturing(  # type: ignore[attr-defined]
-                seg.tokens[None], seg.positions, seg.cache, mask=seg.mask, capture=capture
-            )  # [1, T_i, D], [C, T_i, D] or None
-            hidden.append(h[0])
-            captured.append(c)
-        return torch.cat(hidden), torch.cat(captured, dim=1) if capture else None
 
     def extend(
         self,
@@ -198,6 +180,50 @@ class DecoderLM(Steps, nn.Module):
         cache.commit_pending()
         captured = torch.stack([states[i] for i in capture]) if capture else None  # [C, BT, D]
         return h, captured
+
+    def forward_batch(
+        self, segments: Sequence[Segment], capture: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Several sequences in one step: hidden states [T, D] of all their rows (segment
+        order) and the outputs [C, T, D] of the blocks in `capture` (None if none). The rows
+        are packed into [1, T, D] and go through every linear, norm and rotary together (one
+        weight pass and one kernel launch for all of them); each segment's rows attend to its
+        own cache only. A single segment runs as `forward_capturing` does alone."""
+        if len(segments) != len({id(s.cache) for s in segments}):
+            raise ValueError("two segments of a batch share a cache")
+        if len(segments) == 1:
+            seg = segments[0]
+            h, c = self.forward_capturing(
+                seg.tokens[None], seg.positions, seg.cache, seg.mask, capture=capture
+            )  # [1, T, D], [C, T, D] or None
+            return h[0], c
+        packed = self._pack(segments)
+        tokens = torch.cat([s.tokens for s in segments])  # [T]
+        ropes = self._ropes(torch.cat([s.positions for s in segments]))  # per row: [T, hd]
+        states: dict[int, torch.Tensor] = {}
+        with self._kernels_for(tokens.numel()):
+            h = self.embed(tokens[None])  # [1, T, D]
+            for i, block in enumerate(self.blocks):
+                h = block(h, ropes[self.config.layer_type(i)], packed, 0, None)
+                if i in capture:
+                    states[i] = h[0].float()  # [T, D]
+            h = self.norm(h)[0]  # [T, D]
+        for seg in segments:
+            seg.cache.commit_pending()
+        captured = torch.stack([states[i] for i in capture]) if capture else None  # [C, T, D]
+        return h, captured
+
+    def _pack(self, segments: Sequence[Segment]) -> PackedRows:
+        """Reserve each segment's cache slots; the spans, first slots and masks of its rows."""
+        spans, starts, masks, at = [], [], [], 0
+        for seg in segments:
+            start = seg.cache.reserve(seg.positions)
+            spans.append((at, at + len(seg.tokens)))
+            starts.append(start)
+            masks.append(self._masks(seg.cache, start, seg.positions, seg.mask))
+            at += len(seg.tokens)
+        caches = tuple(s.cache for s in segments)
+        return PackedRows(tuple(spans), caches, tuple(starts), tuple(masks))
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input embeddings [T, D] (float32) of tokens [T], as the forward's first step."""

@@ -11,7 +11,7 @@ from torch import nn
 from specfork.cache import KVCache
 from specfork.config import ModelConfig
 from specfork.models.base import DecoderLM
-from specfork.models.layers import Attention, GatedMLP, RMSNorm
+from specfork.models.layers import Attention, GatedMLP, PackedRows, RMSNorm
 
 
 class Gemma3Block(nn.Module):
@@ -31,7 +31,7 @@ class Gemma3Block(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
+        cache: KVCache | PackedRows,
         start: int,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -131,12 +132,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+@dataclass(frozen=True, eq=False)
+class PackedRows:
+    """Several sequences' rows packed into one forward's [1, T, D]: the rows [a, b) of each
+    span belong to one sequence and attend to its own cache only. Passed as a block's `cache`:
+    the linears run once over all rows, attention once per span."""
+
+    spans: tuple[tuple[int, int], ...]  # row ranges [a, b), in row order
+    caches: tuple[KVCache, ...]
+    starts: tuple[int, ...]  # each cache's first new slot
+    masks: tuple[dict[str, torch.Tensor | None], ...]  # per span: its masks by layer type
+
+
 class Attention(nn.Module):
     """Grouped-query attention over a KV cache, q/k/v projected by one fused linear."""
 
     def __init__(self, cfg: ModelConfig, layer: int, unit_offset_norm: bool) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.kind = layer, cfg.layer_type(layer)
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
@@ -150,10 +163,12 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
+        cache: KVCache | PackedRows,
         start: int,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
+        """x [B, T, D] → [B, T, D]; with `PackedRows` for `cache` (B = 1), each span of rows
+        attends to its own cache (`start` and `mask` unused)."""
         b, t, _ = x.shape
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         q, k, v = self.qkv(x).split((q_dim, kv_dim, kv_dim), dim=-1)
@@ -164,19 +179,41 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), *rope)  # [B, H, T, D]
         k = apply_rope(k.transpose(1, 2), *rope)  # [B, Hkv, T, D]
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        keys, values = cache.write(self.layer, start, k, v)  # [B, Hkv, S, D]
-        if t == 1 and (mask is None or mask.dim() == 2):
-            out = self._single_query(q, keys, values, mask)  # [B, H, 1, D]
+        if isinstance(cache, PackedRows):
+            parts = zip(cache.spans, cache.caches, cache.starts, cache.masks, strict=True)
+            out = torch.cat(
+                [
+                    self._attend(q[:, :, i:j], k[:, :, i:j], v[:, :, i:j], c, s0, m[self.kind])
+                    for (i, j), c, s0, m in parts
+                ],
+                dim=2,
+            )  # [1, H, T, D]
         else:
-            out = F.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                attn_mask=mask,
-                scale=self.scale,
-                enable_gqa=self.n_kv != self.n_heads,
-            )  # [B, H, T, D]
+            out = self._attend(q, k, v, cache, start, mask)  # [B, H, T, D]
         return self.o(out.transpose(1, 2).reshape(b, t, q_dim))
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        start: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Write k, v [B, Hkv, T, D] to the cache from slot `start`; q [B, H, T, D] attends
+        over it (mask [.., T, S] or None); [B, H, T, D]."""
+        keys, values = cache.write(self.layer, start, k, v)  # [B, Hkv, S, D]
+        if q.shape[2] == 1 and (mask is None or mask.dim() == 2):
+            return self._single_query(q, keys, values, mask)  # [B, H, 1, D]
+        return F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=self.n_kv != self.n_heads,
+        )  # [B, H, T, D]
 
     def _single_query(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None

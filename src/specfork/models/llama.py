@@ -10,7 +10,7 @@ from torch import nn
 from specfork.cache import KVCache
 from specfork.config import ModelConfig
 from specfork.models.base import DecoderLM
-from specfork.models.layers import Attention, GatedMLP, RMSNorm
+from specfork.models.layers import Attention, GatedMLP, PackedRows, RMSNorm
 
 
 class LlamaBlock(nn.Module):
@@ -27,7 +27,7 @@ class LlamaBlock(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
+        cache: KVCache | PackedRows,
         start: int,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
