@@ -243,8 +243,8 @@ class HeadDrafter:
         embeds = self.model.embed_rows(tokens)
         embeds = embeds.to(self.head.dtype)  # [N, D]
         prefix, start = grown.prefix, self.cached
-        depths = [prefix + grown.depth[n] - 1 for n in nodes]
-        positions = torch.tensor(depths, device=self.device)  # [N]
+        at = [prefix + grown.depth[n] - 1 for n in nodes]  # each node's sequence position
+        positions = torch.tensor(at, device=self.device)  # [N]
         grown.slot.update({n: start + i for i, n in enumerate(nodes)})
         mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # [N, S]
         mask[:, :prefix] = True  # the committed positions

@@ -263,7 +263,8 @@ class Scheduler:
         work = _Work()
         decoding = [r for r in self.running if not r.prefilling]
         budget = self.config.step_rows - len(decoding)
-        floor = self._least_value(decoding, budget)
+        prefill = self._prompt_rows(budget)  # sunk: the chunks run whatever is drafted
+        floor = self._least_value(decoding, budget, prefill)
         proposals = {}
         for running in decoding:
             try:
@@ -272,7 +273,7 @@ class Scheduler:
                 self._fail(running, exc)
         decoding = self._decoding()
         plans = [proposals[id(r)] for r in decoding]
-        trims = self._trims([d for _, _, d in plans], budget, len(decoding))
+        trims = self._trims([d for _, _, d in plans], budget, len(decoding), prefill)
         for running, n, (shape, proposed, draft) in zip(decoding, trims, plans, strict=True):
             try:
                 planned = plan_round(running.req, (shape, proposed, draft), n)
@@ -291,15 +292,14 @@ class Scheduler:
                 budget -= rows
         return work
 
-    def _least_value(self, decoding: list[Running], budget: int) -> float:
+    def _least_value(self, decoding: list[Running], budget: int, prefill: int) -> float:
         """θ of this step's allocation (`least_paying_value`; 0 when the batch does not
         allocate or no request drafts through a goodput gate, so that plain decoding never
         measures the model's cost curve): what a request's best draft node must be worth to be
-        worth proposing."""
+        worth proposing, beside `prefill` sunk prompt rows."""
         gated = any(isinstance(r.req.gate, GoodputGate) for r in decoding)
         if not self.config.goodput or budget < 1 or not gated:
             return 0.0
-        prefill = self._prompt_rows(budget)
         fixed = len(decoding) + prefill
         curve = self.generator.cost_curve()
         return least_paying_value(len(decoding), fixed, curve, max(0, budget - prefill), prefill)
@@ -318,18 +318,17 @@ class Scheduler:
         running.idle = 0
         return propose(running.req)
 
-    def _trims(self, drafts: list[Draft], budget: int, roots: int) -> list[int]:
+    def _trims(self, drafts: list[Draft], budget: int, roots: int, prefill: int) -> list[int]:
         """How many nodes each draft keeps: the batch's goodput allocation among the requests
         that ask for it (`spec.goodput`; the others verify their drafts whole, their rows and
         expected tokens counted as fixed), within the rows the step has (`budget` after the
-        roots)."""
+        roots), beside `prefill` sunk prompt rows."""
         decoding = self._decoding()
         kept = [len(d) for d in drafts]
         gated = [i for i, r in enumerate(decoding) if r.req.spec.goodput and len(drafts[i])]
         if self.config.goodput and gated:
             whole = sorted(set(range(len(drafts))) - set(gated))
             values = [self._values(decoding[i].req, drafts[i]) for i in gated]
-            prefill = self._prompt_rows(budget)
             rows = roots + prefill + sum(len(drafts[i]) for i in whole)
             tokens = sum(sum(self._values(decoding[i].req, drafts[i])) for i in whole)
             curve = self.generator.cost_curve()

@@ -167,6 +167,22 @@ class DecoderLM(Steps, nn.Module):
             raise ValueError(f"captured layers {list(capture)} must be among those run")
         start = cache.reserve(positions)
         masks = self._masks(cache, start, positions, mask)
+        h, captured = self._run(tokens, positions, run, capture, cache, start, masks)
+        cache.commit_pending()
+        return h, captured
+
+    def _run(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        run: Sequence[int],
+        capture: Sequence[int],
+        cache: KVCache | PackedRows,
+        start: int,
+        masks: dict[str, torch.Tensor | None],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embed tokens [B, T], run the blocks in `run` (each given `cache`, `start` and its
+        layer type's mask), final norm: hidden [B, T, D] and the captured blocks [C, B*T, D]."""
         ropes = self._ropes(positions)
         states: dict[int, torch.Tensor] = {}
         with self._kernels_for(tokens.numel()):
@@ -177,7 +193,6 @@ class DecoderLM(Steps, nn.Module):
                 if i in capture:
                     states[i] = h.reshape(-1, h.shape[-1]).float()  # [B * T, D]
             h = self.norm(h)
-        cache.commit_pending()
         captured = torch.stack([states[i] for i in capture]) if capture else None  # [C, BT, D]
         return h, captured
 
@@ -197,21 +212,14 @@ class DecoderLM(Steps, nn.Module):
                 seg.tokens[None], seg.positions, seg.cache, seg.mask, capture=capture
             )  # [1, T, D], [C, T, D] or None
             return h[0], c
-        packed = self._pack(segments)
-        tokens = torch.cat([s.tokens for s in segments])  # [T]
-        ropes = self._ropes(torch.cat([s.positions for s in segments]))  # per row: [T, hd]
-        states: dict[int, torch.Tensor] = {}
-        with self._kernels_for(tokens.numel()):
-            h = self.embed(tokens[None])  # [1, T, D]
-            for i, block in enumerate(self.blocks):
-                h = block(h, ropes[self.config.layer_type(i)], packed, 0, None)
-                if i in capture:
-                    states[i] = h[0].float()  # [T, D]
-            h = self.norm(h)[0]  # [T, D]
+        packed = self._pack(segments)  # the spans' own masks travel with it
+        tokens = torch.cat([s.tokens for s in segments])[None]  # [1, T]
+        positions = torch.cat([s.positions for s in segments])  # [T]: rotary per row
+        run, no_masks = range(len(self.blocks)), {"full": None, "sliding": None}
+        h, captured = self._run(tokens, positions, run, capture, packed, 0, no_masks)
         for seg in segments:
             seg.cache.commit_pending()
-        captured = torch.stack([states[i] for i in capture]) if capture else None  # [C, T, D]
-        return h, captured
+        return h[0], captured  # [T, D], [C, T, D] or None
 
     def _pack(self, segments: Sequence[Segment]) -> PackedRows:
         """Reserve each segment's cache slots; the spans, first slots and masks of its rows."""
