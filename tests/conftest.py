@@ -17,6 +17,20 @@ from specfork.loading.registry import DEFAULT_MODEL, cache_dir
 from specfork.loading.weight_cache import source_of
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker per core, at most 4 (each loads its own models; past 4 the
+    real-model tests no longer shorten the run, they only add copies in memory)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist every worker gets its share of the intra-op threads: N workers each
+    running all of them would oversubscribe the cores."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _converted_test_models_leave_the_cache(tmp_path_factory: pytest.TempPathFactory):
     """Tests load tiny models written to temporary folders, and loading converts them into the
