@@ -76,6 +76,9 @@ def _fill(tmp_path: Path) -> tuple[Path, dict[str, Path], set[str]]:
     os.utime(changed, (later, later))  # its converted weights are no longer its key's
     gone.unlink()
     (folder / "notes.txt").write_text("not specfork's")  # outside the known parts
+    for lock in (folder / "models" / "model.gguf.lock", folder / "kernels" / f".{KEY}.lock"):
+        lock.write_text("")  # atomic.exclusive's lock files: not entries, even when old
+        _age(lock, 2 * 3600)
     stale = {"packed_other_build", "changed", "gone", "unnamed", "old_build", "left_tmp",
              "old_curve"}  # fmt: skip
     return folder, e, stale
@@ -110,6 +113,7 @@ def test_clear_removes_every_entry_but_nothing_else(tmp_path: Path) -> None:
     assert {x.path for x in removed} == set(e.values())
     assert not any(p.exists() for p in e.values())
     assert (folder / "notes.txt").read_text() == "not specfork's"
+    assert (folder / "kernels" / f".{KEY}.lock").is_file()
 
 
 def test_the_command(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:

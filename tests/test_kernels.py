@@ -271,3 +271,35 @@ def test_a_failed_build_leaves_nothing_behind(monkeypatch, tmp_path) -> None:
     with pytest.raises(build.KernelsUnavailable, match="compiler died"):
         build._build("specfork_kernels_test", folder, "c++")
     assert not folder.exists() and list((tmp_path / "kernels").iterdir()) == []
+
+
+def test_a_build_another_process_finished_while_this_one_waited_is_loaded(
+    monkeypatch, tmp_path
+) -> None:
+    """Two processes starting on a fresh machine build once: the one that waited for the
+    build lock looks again under the lock and loads what the other built."""
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    from specfork.kernels import build
+
+    built = load_kernels()
+    if built is None:
+        pytest.skip("no kernels on this machine")
+    key = build.artifact_key(build.compiler())
+    monkeypatch.setenv("SPECFORK_CACHE_DIR", str(tmp_path))
+    shutil.copytree(Path(built.__file__).parent, tmp_path / "kernels" / key)
+    looks = []
+
+    def finished_while_waiting(folder: Path, library: Path) -> bool:
+        looks.append(folder)  # the first look (no lock) misses; the other process then finishes
+        return len(looks) > 1 and (folder / build.READY).is_file()
+
+    def must_not_build(**kwargs):
+        raise AssertionError("built again although another process had just built it")
+
+    monkeypatch.setattr(build, "_intact", finished_while_waiting)
+    monkeypatch.setattr(cpp_extension, "load", must_not_build)
+    assert build._load_or_build() is built
+    assert len(looks) == 2 and (tmp_path / "kernels" / f".{key}.lock").is_file()

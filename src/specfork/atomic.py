@@ -2,11 +2,14 @@
 
 Every cache specfork writes (converted weights, tokenizers, the recycle prior) goes through
 `atomic_file`, so an interrupted write never leaves a half-written file where a later run would
-read it.
+read it. `exclusive` keeps two processes from making the same large thing at once (a model
+download, a kernel build): the second waits and then finds the first one's result.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -14,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specfork.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -30,6 +35,24 @@ def atomic_file(path: Path, mode: int = 0o644) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def exclusive(lock: Path) -> Iterator[None]:
+    """Hold an exclusive `flock` on the file `lock` (created, with its folder, if needed) for
+    the block; another process holding it is waited for. Raises OSError when `lock` cannot be
+    opened."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another specfork process that holds %s", lock)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def write_text(path: Path, text: str) -> None:

@@ -30,6 +30,7 @@ from types import ModuleType
 
 import torch
 
+from specfork.atomic import exclusive
 from specfork.loading.registry import cache_dir
 
 log = logging.getLogger(__name__)
@@ -115,13 +116,30 @@ def _load_or_build() -> ModuleType:
     name = module_name(key)
     folder = cache_dir() / "kernels" / key
     library = folder / f"{name}.so"
-    if _intact(folder, library):
-        try:
-            return _import(name, library)
-        except ImportError as exc:
-            log.warning("cached kernels in %s do not load (%s); rebuilding", folder, exc)
-    shutil.rmtree(folder, ignore_errors=True)
-    return _build(name, folder, cxx)
+    module = _load_built(name, folder, library)
+    if module is not None:
+        return module
+    try:  # two processes starting together build once: the second waits, then loads
+        with exclusive(folder.with_name(f".{key}.lock")):
+            module = _load_built(name, folder, library)
+            if module is not None:
+                log.info("another process has just built the kernels in %s", folder)
+                return module
+            shutil.rmtree(folder, ignore_errors=True)
+            return _build(name, folder, cxx)
+    except OSError as exc:  # the cache folder cannot be written: building there fails too
+        raise KernelsUnavailable(f"cannot write the kernels' build to {folder} ({exc})") from exc
+
+
+def _load_built(name: str, folder: Path, library: Path) -> ModuleType | None:
+    """The build in `folder` if it is complete and loads, else None."""
+    if not _intact(folder, library):
+        return None
+    try:
+        return _import(name, library)
+    except ImportError as exc:
+        log.warning("cached kernels in %s do not load (%s); rebuilding", folder, exc)
+        return None
 
 
 def _intact(folder: Path, library: Path) -> bool:

@@ -51,8 +51,9 @@ class Entry:
 
 
 def entries(folder: Path, kernels_key: str | None) -> list[Entry]:
-    """Every entry of the known sub-folders of `folder`. `kernels_key` names this
-    installation's kernel build (`kernels.build.artifact_key`; None: unknown, builds kept)."""
+    """Every entry of the known sub-folders of `folder` but lock files. `kernels_key` names
+    this installation's kernel build (`kernels.build.artifact_key`; None: unknown, builds
+    kept)."""
     out = []
     for part in PARTS:
         try:
@@ -60,7 +61,8 @@ def entries(folder: Path, kernels_key: str | None) -> list[Entry]:
         except OSError as exc:  # an unreadable folder: listed as nothing, never removed
             log.warning("cannot read %s (%s)", folder / part, exc)
             continue
-        out += [Entry(part, p, _size(p), _why_stale(part, p, kernels_key)) for p in paths]
+        kept = [p for p in paths if p.suffix != ".lock"]  # atomic.exclusive: hold nothing
+        out += [Entry(part, p, _size(p), _why_stale(part, p, kernels_key)) for p in kept]
     return out
 
 

