@@ -18,8 +18,8 @@ from specfork.loading.weight_cache import source_of
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: one worker per core, at most 4 (each loads its own models; past 4 the
-    real-model tests no longer shorten the run, they only add copies in memory)."""
+    """`-n auto`: one worker per core, at most 4 (every worker loads its own copies of the
+    models, so the cap bounds memory on large machines; only 2 workers were measured)."""
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None  # Linux
     return max(1, min(4, len(usable) if usable else os.cpu_count() or 1))
 
