@@ -442,9 +442,11 @@ def _cached_load_in_subprocess(path: Path, cache_dir: Path) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _write_gguf(path: Path, backend: Backend | None, **ids: int) -> None:
+def _write_gguf(
+    path: Path, backend: Backend | None, architecture: str = "llama", **ids: int
+) -> None:
     """A GGUF file with no tensors whose metadata describes ``backend`` (if given)."""
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), architecture)
     if backend is not None:
         data = json.loads(backend.to_str())
         vocab = data["model"]["vocab"]
@@ -498,6 +500,50 @@ def test_tiny_gguf_matches_transformers(tiny_gguf: SimpleNamespace) -> None:
             conversation, tokenize=False, add_generation_prompt=True
         )
         assert tokenizer.apply_chat_template(conversation) == expected
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "gemma3"])
+def test_a_gguf_whose_architecture_names_the_model_type_converts_without_reading_its_config(
+    architecture: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer type comes from the architecture, not from transformers' slow config
+    rebuild (gguf-py walking the whole vocabulary), and the tokenizer is the one that
+    rebuild would have chosen."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers import AutoTokenizer
+
+    backend = _byte_level_backend()
+    ids = {name: backend.token_to_id(token) for name, token in [("bos", "<s>"), ("eos", "</s>")]}
+    ids["eot"] = backend.token_to_id("<|endoftext|>")
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, backend, architecture, **ids)
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+
+    def config_rebuild(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the tokenizer conversion rebuilt the model's config")
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", config_rebuild)
+    backend_made, fields = gguf_tokenizer.convert_gguf(path)
+    assert backend_made.to_str() == reference.backend_tokenizer.to_str()
+    assert fields["template_tokens"] == reference.special_tokens_map
+    tokenizer = Tokenizer.from_gguf(path, tmp_path / "cache")
+    for text in TEXTS:
+        assert tokenizer.encode(text) == reference.encode(text), text
+
+
+def test_a_llama_gguf_tokenizer_still_reads_its_config(
+    tiny_gguf: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Llama files keep transformers' own choice (it may read one as Mistral's)."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    rebuilt = []
+    original = gguf_utils.load_gguf_checkpoint
+    monkeypatch.setattr(
+        gguf_utils, "load_gguf_checkpoint", lambda *a, **k: rebuilt.append(1) or original(*a, **k)
+    )
+    backend, _ = gguf_tokenizer.convert_gguf(tiny_gguf.path)
+    assert rebuilt and backend.to_str() == tiny_gguf.hf.backend_tokenizer.to_str()
 
 
 def test_tiny_gguf_cache_is_used_without_transformers(tiny_gguf: SimpleNamespace) -> None:

@@ -36,6 +36,8 @@ _GGUF_EOS_KEYS = (
     "tokenizer.ggml.eot_token_id",
     "tokenizer.ggml.eom_token_id",
 )
+#: GGUF architectures whose name is also transformers' model type (see `_tokenizer_type`).
+_ARCHITECTURE_IS_MODEL_TYPE = ("qwen2", "qwen3", "gemma3")
 
 
 def gguf_cache_key(path: Path) -> str:
@@ -128,14 +130,35 @@ def _transformers_gguf_tokenizer(path: Path, metadata: Mapping[str, Any]) -> Any
             link.symlink_to(path.resolve())
         except OSError:  # no symlinks here (some Windows setups): use the file's own folder
             folder, link = str(path.parent), path
+        known = {"tokenizer_type": kind} if (kind := _tokenizer_type(metadata)) else {}
         try:
-            return AutoTokenizer.from_pretrained(folder, gguf_file=link.name)
+            return AutoTokenizer.from_pretrained(folder, gguf_file=link.name, **known)
         except Exception as error:  # transformers raises many types for files it cannot convert
             kind = metadata.get("tokenizer.ggml.model")
             raise ModelFormatError(
                 f"transformers cannot build the tokenizer (tokenizer.ggml.model={kind!r}) of "
                 f"GGUF file {path}: {error}"
             ) from error
+
+
+def _tokenizer_type(metadata: Mapping[str, Any]) -> str | None:
+    """The tokenizer type to name to ``AutoTokenizer``, or None to let it find the type itself.
+
+    Finding it, transformers rebuilds the model's whole config from the file with gguf-py's
+    reader, which walks every metadata array element by element (~20 s for Gemma 3's 262k-token
+    vocabulary) only to learn the model type. Where the file's architecture *is* that model type
+    (qwen2, qwen3, gemma3: no renaming on transformers' side), naming it skips the walk and
+    picks the same tokenizer class. Llama files keep the slow path: transformers has no "llama"
+    tokenizer type, and may read a llama file as a Mistral one.
+    """
+    architecture = metadata.get("general.architecture")
+    if architecture not in _ARCHITECTURE_IS_MODEL_TYPE:
+        return None
+    try:
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+    except ImportError:
+        return None
+    return architecture if architecture in TOKENIZER_MAPPING_NAMES else None
 
 
 def read_gguf_metadata(path: Path) -> dict[str, Any]:
