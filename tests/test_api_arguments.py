@@ -3,7 +3,9 @@ argument and what it takes, never a TypeError or AttributeError from deep inside
 
 from __future__ import annotations
 
+import numpy
 import pytest
+import torch
 
 from specfork import load_model
 from specfork.config import GenerationConfig
@@ -94,3 +96,46 @@ def test_stop_conditions_take_none_one_or_many(kwargs: dict, expected: tuple) ->
 def test_stop_conditions_of_another_kind_are_refused(kwargs: dict, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         GenerationConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"config": {"max_new_tokens": 3}}, "config must be a GenerationConfig or None, got dict"),
+        ({"sampling": {"temperature": 1.0}}, "sampling must be a SamplingParams or None, got dict"),
+        ({"spec": "spork"}, "spec must be a SpecConfig or None, got str"),
+    ],
+)
+def test_request_arguments_of_another_kind_are_config_errors(
+    loaded: LoadedModel, kwargs: dict, words: str
+) -> None:
+    gen = Generator(loaded)
+    for call in (gen.generate, gen.stream, gen.open_request):
+        with pytest.raises(ConfigError, match=words):
+            call("hello", **kwargs)
+    with pytest.raises(ConfigError, match="use_strategy takes a SpecConfig, got NoneType"):
+        gen.use_strategy(None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="release takes a Request"):
+        gen.release(None)  # type: ignore[arg-type]
+
+
+def test_token_ids_of_any_integer_kind_are_a_prompt(loaded: LoadedModel) -> None:
+    gen = Generator(loaded)
+    ids = [1, 2, 3]
+    want = gen.generate(ids, config=CONFIG).token_ids
+    for same in (tuple(ids), list(torch.tensor(ids)), [numpy.int64(i) for i in ids]):
+        assert gen.generate(same, config=CONFIG).token_ids == want
+
+
+@pytest.mark.parametrize(
+    ("prompt", "words"),
+    [
+        ([1.5], r"prompt element 0 is 1.5 \(float\)"),
+        ([1, "a"], r"prompt element 1 is 'a' \(str\)"),
+        ([1, True], r"prompt element 1 is True \(bool\)"),
+        ((-1, 5), r"prompt token ids must be in \[0, "),
+    ],
+)
+def test_bad_token_ids_name_the_element(loaded: LoadedModel, prompt: object, words: str) -> None:
+    with pytest.raises(PromptError, match=words):
+        Generator(loaded).generate(prompt, config=CONFIG)  # type: ignore[arg-type]

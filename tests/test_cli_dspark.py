@@ -92,6 +92,17 @@ def test_trace_plot_errors(capsys, tmp_path: Path) -> None:
     assert code == 2 and "bad.jsonl:2" in err
     code, _, err = _run(capsys, ["trace-plot", str(tmp_path / "missing.jsonl")])
     assert code == 2 and "cannot read the trace file" in err
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xc1\xff{}\n")
+    code, _, err = _run(capsys, ["trace-plot", str(binary)])
+    assert code == 2 and "cannot read the trace file" in err and "Traceback" not in err
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"round": 0, "k": 4, "confidence": 0.5}) + "\n")
+    code, _, err = _run(capsys, ["trace-plot", str(good), "--out", str(tmp_path / "k.txt")])
+    assert code == 2 and ".png" in err and not (tmp_path / "k.txt").exists()
+    code, _, err = _run(capsys, ["trace-plot", str(good), "--out", str(tmp_path)])
+    assert code == 2 and "is a folder" in err
+    assert not list(tmp_path.parent.glob(f"{tmp_path.name}.png"))
 
 
 @pytest.mark.slow

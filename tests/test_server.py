@@ -341,6 +341,25 @@ def test_bad_input_is_400(served: Served, path: str, body: bytes | dict, param: 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"prompt": "hi", "temperature": "0.5"}, "got '0.5'"),  # a string, not the number
+        ({"prompt": "hi", "top_p": "0.5"}, "got '0.5'"),
+        ({"prompt": "hi", "seed": "5"}, "got '5'"),
+        ({"prompt": [1, "a"]}, 'prompt[1] is "a"'),
+        ({"prompt": [-1, 5]}, "prompt[0] is -1"),
+        ({"prompt": [1.5]}, "prompt[0] is 1.5"),
+        ({"prompt": [[1], [2]]}, "one prompt per request"),
+    ],
+)
+def test_a_refusal_names_the_bad_value_as_sent(served: Served, body: dict, words: str) -> None:
+    resp = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert words in resp.json()["error"]["message"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("field", ["max_tokens", "model", "temperature", "seed"])
 def test_a_huge_bad_value_is_not_echoed_whole(served: Served, field: str) -> None:
     body = {"prompt": "hi", field: "x" * 2_000_000}

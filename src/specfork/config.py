@@ -43,9 +43,9 @@ class RopeConfig:
                 f"supported: {', '.join(ROPE_TYPES)}"
             )
         if not (self.theta > 0 and math.isfinite(self.theta)):
-            raise ConfigError(f"rope theta must be a positive number, got {self.theta}")
+            raise ConfigError(f"rope theta must be a positive number, got {self.theta!r}")
         if self.factor <= 0:
-            raise ConfigError(f"rope scaling factor must be positive, got {self.factor}")
+            raise ConfigError(f"rope scaling factor must be positive, got {self.factor!r}")
         needs_original = self.rope_type in ("llama3", "yarn")
         if needs_original and self.original_max_position is None:
             raise ConfigError(
@@ -89,14 +89,14 @@ class ModelConfig:
             )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"model config {name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"model config {name} must be >= 1, got {getattr(self, name)!r}")
         if self.num_heads < 1 or self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a positive multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim < 2 or self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even and >= 2, got {self.head_dim}")
+            raise ConfigError(f"head_dim must be even and >= 2, got {self.head_dim!r}")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ConfigError(f"activation {self.hidden_act!r} is not supported")
         if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -104,7 +104,7 @@ class ModelConfig:
                 f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
             )
         if any(t not in ("full", "sliding") for t in self.layer_types):
-            raise ConfigError(f"layer types must be 'full' or 'sliding', got {self.layer_types}")
+            raise ConfigError(f"layer types must be 'full' or 'sliding', got {self.layer_types!r}")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise ConfigError("sliding layers need a sliding_window size")
 
@@ -146,19 +146,19 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ConfigError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
             )
         if _is_int(self.top_k) and self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise ConfigError(f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k}")
+            raise ConfigError(f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
         if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
-            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p!r}")
         seed = self.seed
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-            raise ConfigError(f"seed must be an integer in [0, 2**63), got {seed}")
+            raise ConfigError(f"seed must be an integer in [0, 2**63), got {seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -207,7 +207,7 @@ class GenerationConfig:
             )
         n = self.max_new_tokens
         if not _is_int(n) or n < 1:
-            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {n}")
+            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {n!r}")
         if isinstance(self.stop, str):  # one stop string, as the OpenAI API allows
             object.__setattr__(self, "stop", (self.stop,))
         for name, kind in (("stop", "stop strings"), ("stop_token_ids", "stop token ids")):
@@ -220,7 +220,7 @@ class GenerationConfig:
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ConfigError("stop strings must be non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ConfigError(f"stop token ids must be integers >= 0, got {self.stop_token_ids}")
+            raise ConfigError(f"stop token ids must be integers >= 0, got {self.stop_token_ids!r}")
 
 
 def _is_path_source(source: str) -> bool:
@@ -309,7 +309,7 @@ class SpecConfig:
             )
         self._check_drafter()
         if not _is_int(self.k) or self.k < 1:
-            raise ConfigError(f"k (draft length) must be an integer >= 1, got {self.k}")
+            raise ConfigError(f"k (draft length) must be an integer >= 1, got {self.k!r}")
         if self.k_policy not in POLICY_NAMES:
             raise ConfigError(
                 f"unknown draft-length policy {self.k_policy!r}; "
@@ -317,7 +317,7 @@ class SpecConfig:
             )
         for name in ("max_ngram", "min_ngram", "expected_length"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.min_ngram > self.max_ngram:
             raise ConfigError(
                 f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})"
@@ -378,7 +378,7 @@ class SpecConfig:
     def _check_spork(self) -> None:
         for name in ("forks", "depth", "budget"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.tree not in TREE_SHAPES:
             raise ConfigError(f"unknown tree shape {self.tree!r}; choose one of forks, dynamic")
         if self.budget < self.depth:
@@ -387,26 +387,28 @@ class SpecConfig:
                 "a budget must hold at least one whole fork"
             )
         if not (_is_number(self.tau) and 0 <= self.tau < 1):
-            raise ConfigError(f"tau must be in [0, 1), got {self.tau}")
+            raise ConfigError(f"tau must be in [0, 1), got {self.tau!r}")
         if not (_is_number(self.tau_max) and 0 <= self.tau_max < 1):
             raise ConfigError(
-                f"tau_max must be in [0, 1), got {self.tau_max}; it bounds how far the "
+                f"tau_max must be in [0, 1), got {self.tau_max!r}; it bounds how far the "
                 "controller raises tau"
             )
         if not (_is_number(self.target_acceptance) and 0 < self.target_acceptance <= 1):
-            raise ConfigError(f"target_acceptance must be in (0, 1], got {self.target_acceptance}")
+            got = self.target_acceptance
+            raise ConfigError(f"target_acceptance must be in (0, 1], got {got!r}")
         if self.lossy_typical and self.strategy != "spork":
             raise ConfigError("lossy typical acceptance is a SPORK option; use strategy spork")
         if not (_is_number(self.typical_epsilon) and 0 < self.typical_epsilon <= 1):
-            raise ConfigError(f"typical_epsilon must be in (0, 1], got {self.typical_epsilon}")
+            raise ConfigError(f"typical_epsilon must be in (0, 1], got {self.typical_epsilon!r}")
         if not (_is_number(self.typical_delta) and self.typical_delta > 0):
-            raise ConfigError(f"typical_delta must be > 0, got {self.typical_delta}")
+            raise ConfigError(f"typical_delta must be > 0, got {self.typical_delta!r}")
 
     def _check_dspark(self) -> None:
         if not _is_int(self.min_k) or self.min_k < 1:
-            raise ConfigError(f"min_k must be an integer >= 1, got {self.min_k}")
+            raise ConfigError(f"min_k must be an integer >= 1, got {self.min_k!r}")
         if not _is_int(self.max_k) or self.max_k < self.min_k:
-            raise ConfigError(f"max_k must be an integer >= min_k ({self.min_k}), got {self.max_k}")
+            got = self.max_k
+            raise ConfigError(f"max_k must be an integer >= min_k ({self.min_k}), got {got!r}")
         low, high = self.low, self.high
         if not (_is_number(low) and _is_number(high) and low < high and high - low < math.inf):
             raise ConfigError(
@@ -419,12 +421,12 @@ class SpecConfig:
         if not numbers or not 0 < sum(w) < math.inf:
             raise ConfigError(
                 f"weights must be three numbers >= 0 (top1, margin, EMA) with a positive sum, "
-                f"got {w}; the default is 0.4,0.3,0.3"
+                f"got {w!r}; the default is 0.4,0.3,0.3"
             )
         if not (_is_number(self.ema_rate) and 0 < self.ema_rate <= 1):
-            raise ConfigError(f"ema_rate must be in (0, 1], got {self.ema_rate}")
+            raise ConfigError(f"ema_rate must be in (0, 1], got {self.ema_rate!r}")
         if not (_is_number(self.margin_scale) and self.margin_scale > 0):
-            raise ConfigError(f"margin_scale must be a number > 0, got {self.margin_scale}")
+            raise ConfigError(f"margin_scale must be a number > 0, got {self.margin_scale!r}")
 
     @property
     def draft_k(self) -> int:

@@ -198,17 +198,36 @@ def run_trace_plot(args: argparse.Namespace, err: Console) -> int:
             f"{args.trace} has no {' or '.join(missing)} fields: plot a trace written with "
             "--strategy dspark"
         )
-    out = args.out or args.trace.with_suffix(".png")
+    out = plot_path(args.trace, args.out)
     plot_k_trace({args.trace.stem: records}, out, title=f"DSpark trace: {args.trace.name}")
     err.print(f"wrote {out}", highlight=False, markup=False)
     return 0
 
 
+def plot_path(trace: Path, out: Path | None) -> Path:
+    """Where trace-plot writes: ``out``, checked (a file whose suffix matplotlib can write), or
+    the trace's name with ``.png``."""
+    if out is None:
+        return trace.with_suffix(".png")
+    if out.is_dir():
+        example = out / trace.with_suffix(".png").name
+        raise ConfigError(f"--out {out} is a folder: give a file name such as {example}")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if out.suffix.lower().lstrip(".") not in formats:
+        raise ConfigError(
+            f"--out {out}: the suffix names the plot's format; use one of "
+            f"{', '.join('.' + name for name in sorted(formats))} (e.g. {out.with_suffix('.png')})"
+        )
+    return out
+
+
 def read_trace(path: Path) -> list[dict]:
     """The records of a --trace JSONL file (errors name the line)."""
     try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
         raise SpecforkError(f"cannot read the trace file {path}: {exc}") from exc
     records = []
     for number, line in enumerate(lines, 1):

@@ -8,6 +8,7 @@ round runs the target once on the last token and emits the token it chooses.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections import OrderedDict
@@ -72,6 +73,42 @@ class TextStream:
 def _token_id(t: object) -> bool:
     """Whether `t` reads as a token id (an int; True and False are not)."""
     return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _integer(t: object) -> int | None:
+    """`t` as a token id if it is an integer of any kind (Python, NumPy, a 0-d tensor)."""
+    if isinstance(t, bool):
+        return None
+    try:
+        return operator.index(t)
+    except TypeError:
+        return None
+
+
+def _as_token_ids(prompt: Sequence[object]) -> list[int] | None:
+    """The ids of a prompt given as token ids; None for chat messages (dicts). PromptError
+    names the first element that is neither."""
+    if not prompt or any(isinstance(t, dict) for t in prompt):
+        return None
+    ids: list[int] = []
+    for index, t in enumerate(prompt):
+        i = _integer(t)
+        if i is None:
+            raise PromptError(
+                f"prompt element {index} is {t!r} ({type(t).__name__}): a prompt list holds "
+                "token ids (integers) or chat messages (dicts), not a mix or other values"
+            )
+        ids.append(i)
+    return ids
+
+
+def _check_kind(name: str, value: object, kind: type) -> None:
+    """ConfigError naming an argument of the wrong type (not an AttributeError later)."""
+    if value is not None and not isinstance(value, kind):
+        raise ConfigError(
+            f"{name} must be a {kind.__name__} or None, got {type(value).__name__}: write "
+            f"{name}={kind.__name__}(...)"
+        )
 
 
 def _check_text(text: str) -> None:
@@ -241,6 +278,9 @@ class Generator:
         """A validated request with its own state (cache, drafter, policy, rng), not yet run:
         `stream` runs it alone, `specfork.engine.batch.Scheduler` with others. Its cache goes
         back with `release(req)`."""
+        _check_kind("config", config, GenerationConfig)
+        _check_kind("sampling", sampling, SamplingParams)
+        _check_kind("spec", spec, SpecConfig)
         config = config or GenerationConfig()
         ids = self.prompt_ids(prompt, chat=chat, config=config)
         self._check_thread()
@@ -258,9 +298,9 @@ class Generator:
                 f"a prompt is a string, a list of chat messages or a list of token ids, not "
                 f"{type(prompt).__name__}"
             )
-        if isinstance(prompt, list) and prompt and all(_token_id(t) for t in prompt):
-            ids = list(prompt)
-        else:
+        _check_kind("config", config, GenerationConfig)
+        ids = None if isinstance(prompt, str) else _as_token_ids(prompt)
+        if ids is None:
             ids = self.encode_prompt(prompt, chat)
         self._check_prompt(ids)
         self._check_exact(config or GenerationConfig())
@@ -269,6 +309,9 @@ class Generator:
     def release(self, req: Request, keep: int = FREE_CACHES) -> None:
         """A finished or cancelled request's cache, kept (the `keep` largest free caches) for
         the next requests."""
+        if not isinstance(req, Request):
+            kind = type(req).__name__
+            raise ConfigError(f"release takes a Request (from open_request), got {kind}")
         self._release_cache(req.cache, keep)
 
     def warm_up(self, new_tokens: int = 4) -> None:
@@ -278,6 +321,8 @@ class Generator:
 
     def use_strategy(self, spec: SpecConfig) -> None:
         """Make `spec` the strategy of the next requests (drafters are built once, then kept)."""
+        if not isinstance(spec, SpecConfig):
+            raise ConfigError(f"use_strategy takes a SpecConfig, got {type(spec).__name__}")
         if spec not in self._strategies:
             self._check_k(spec)
             self._strategies[spec] = build_strategy(spec, self._loaded)

@@ -254,8 +254,16 @@ def _prompt(obj: dict[str, Any]) -> str | list[int]:
         return prompt
     if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
         return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+    several = isinstance(prompt, list) and len(prompt) > 1
+    if several and all(isinstance(p, (str, list)) for p in prompt):
         raise APIError("one prompt per request; send the prompts separately", param="prompt")
+    if isinstance(prompt, list) and prompt:
+        index, bad = next((i, t) for i, t in enumerate(prompt) if not _is_token_id(t))
+        raise APIError(
+            f"prompt[{index}] is {json.dumps(bad)[:40]}: a prompt list holds token ids, "
+            "integers >= 0 (or give one string)",
+            param="prompt",
+        )
     raise APIError("prompt is required: a non-empty string or a list of token ids", param="prompt")
 
 
