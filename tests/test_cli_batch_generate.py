@@ -100,7 +100,9 @@ def test_bad_batch_files_and_flags_are_one_line_errors(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["-o", "out.jsonl"], "writes the results of --batch"),
+        (["-o", "out.jsonl"], "--output/-o is a flag of --batch"),
+        (["--max-running", "4"], "--max-running is a flag of --batch"),
+        (["--step-rows", "64"], "--step-rows is a flag of --batch"),
         (["--no-chat", "--system", "be brief"], "--system is a chat message"),
     ],
 )
@@ -112,3 +114,16 @@ def test_flags_a_single_prompt_would_ignore_are_refused(
     code, out, err = run_cli(capsys, argv)
     assert code == 2 and out == "" and message in err, err
     assert "Traceback" not in err
+
+
+def test_results_never_replace_the_batch_file(
+    folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    batch = tmp_path / "b.jsonl"
+    batch.write_text('"hello"\n')
+    for output in (batch, tmp_path / "." / "b.jsonl"):
+        argv = ["generate", "-m", str(folder), "--batch", str(batch), "-o", str(output)]
+        code, out, err = run_cli(capsys, argv)
+        assert out == ""
+        assert code == 2 and "is the --batch file" in err, err
+    assert batch.read_text() == '"hello"\n'

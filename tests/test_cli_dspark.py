@@ -126,3 +126,19 @@ def test_calibrate_table(capsys) -> None:
     text = " ".join(out.split())  # the table title may wrap
     assert "accepted draft tokens per round (K = 3" in text
     assert "--strategy dspark --drafter ngram --low" in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--strategy", "spork"], "so it runs --strategy dspark; leave out --strategy spork"),
+        (["--strategy", "ar"], "leave out --strategy ar"),
+        (["--forks", "3"], "--forks is a flag of --strategy spork"),
+        (["--drafter", "recycle"], "recycle drafts trees: strategy spork"),
+    ],
+)
+def test_calibrate_refuses_other_strategies_and_their_flags(capsys, flags, words) -> None:
+    """calibrate always runs DSpark: another strategy, or a flag DSpark does not read, is a
+    one-line error before any model loads (it was "unknown drafter 'recycle'")."""
+    code, _, err = _run(capsys, ["calibrate", "-n", "4", "--limit", "1", *flags])
+    assert code == 2 and words in err, err

@@ -434,3 +434,20 @@ def test_packaged_model_json_parses_and_speculation_is_exact(
         for name, gen in gens.items():
             got = gen.generate(prompt, config=config)
             assert got.token_ids == ref.token_ids, (name, prompt, got.text, ref.text)
+
+
+def test_the_schema_flag_takes_a_file_or_inline_json(tmp_path: Path) -> None:
+    from specfork.cli.common import constraint_from_args
+
+    def flags(text: str) -> argparse.Namespace:
+        return argparse.Namespace(json=False, regex=None, json_schema=text)
+
+    assert constraint_from_args(flags(json.dumps(SCHEMA))) == Constraint.json_schema(SCHEMA)
+    file = tmp_path / "schema.json"
+    file.write_text(json.dumps(SCHEMA), encoding="utf-8")
+    assert constraint_from_args(flags(str(file))) == Constraint.json_schema(SCHEMA)
+    # inline JSON that is not an object is judged as a schema, not looked up as a file name
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        constraint_from_args(flags("[1, 2]"))
+    with pytest.raises(ConfigError, match="cannot read the schema file"):
+        constraint_from_args(flags(str(tmp_path / "missing.json")))

@@ -8,6 +8,7 @@ flag the user gave is told apart from a default.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -156,7 +157,15 @@ def resolve_strategy(args: argparse.Namespace) -> None:
     --strategy turn speculation on (the strategy the flags belong to), and a flag the chosen
     strategy does not read is an error naming the strategy that reads it."""
     given = given_options(args)
-    if args.strategy is None:
+    fixed = getattr(args, "fixed_strategy", None)  # (strategy, why) of a command that runs one
+    if fixed is not None:
+        strategy, why = fixed
+        if args.strategy not in (None, strategy):
+            raise ConfigError(
+                f"{why}, so it runs --strategy {strategy}; leave out --strategy {args.strategy}"
+            )
+        args.strategy = strategy
+    elif args.strategy is None:
         args.strategy = implied_strategy(given, FLAGS) or "ar"
     check_used(args.strategy, given, FLAGS)
 
@@ -229,6 +238,16 @@ def add_constraint_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _is_json(text: str) -> bool:
+    """Whether `text` is a JSON value (inline JSON that is not an object, e.g. '[1, 2]', goes to
+    the schema's own check, which names what a schema must be)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     """The constraint the flags describe (validated: a bad schema or regex fails here)."""
     if args.json:
@@ -238,7 +257,7 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     if args.json_schema is None:
         return None
     text = args.json_schema.strip()
-    if not text.startswith("{"):
+    if not text.startswith("{") and (Path(text).exists() or not _is_json(text)):
         path = Path(text)
         try:
             text = path.read_text(encoding="utf-8")

@@ -32,6 +32,9 @@ from specfork.engine.stats import GenerationStats
 from specfork.errors import SpecforkError
 from specfork.strategies.policies import make_policy
 
+#: prompts of a --batch file decoded together unless --max-running says otherwise
+MAX_RUNNING = 8
+
 if TYPE_CHECKING:
     from specfork.engine.logprobs import TokenLogprob
     from specfork.loading.tokenizer import Tokenizer
@@ -80,7 +83,11 @@ def add_parser(sub: Any) -> None:
         "results as JSON lines, in file order",
     )
     b.add_argument(
-        "--max-running", type=int, default=8, metavar="N", help="prompts decoded together (8)"
+        "--max-running",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"prompts decoded together ({MAX_RUNNING})",
     )
     b.add_argument(
         "--step-rows", type=int, default=None, metavar="N",
@@ -166,8 +173,10 @@ def run(args: argparse.Namespace, err: Console) -> int:
 
 def _check_single_flags(args: argparse.Namespace) -> None:
     """A flag of --batch is refused without it rather than ignored."""
-    if args.output is not None:
-        raise SpecforkError("--output/-o writes the results of --batch; give --batch FILE")
+    for flag, value in (("--output/-o", args.output), ("--max-running", args.max_running),
+                        ("--step-rows", args.step_rows)):  # fmt: skip
+        if value is not None:
+            raise SpecforkError(f"{flag} is a flag of --batch; give --batch FILE")
 
 
 def _check_batch_flags(args: argparse.Namespace) -> None:
@@ -179,9 +188,24 @@ def _check_batch_flags(args: argparse.Namespace) -> None:
     for flag, value in (("--trace", args.trace), ("--logprobs", args.logprobs)):
         if value is not None:
             raise SpecforkError(f"{flag} reports one request; run it without --batch")
+    if args.max_running is None:
+        args.max_running = MAX_RUNNING
     BatchConfig.rows_for(args.max_running, args.step_rows)
     read_batch(args.batch)  # a bad file fails before the model loads
+    if args.output is not None and _same_file(args.output, args.batch):
+        raise SpecforkError(
+            f"--output {args.output} is the --batch file: the results would replace the "
+            "prompts; write them to another file"
+        )
     check_writable(args.output, "output file")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (links and relative spellings included)."""
+    try:
+        return a.exists() and b.exists() and a.samefile(b)
+    except OSError:
+        return False
 
 
 def _prompt(args: argparse.Namespace) -> str:

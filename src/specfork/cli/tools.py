@@ -56,7 +56,9 @@ def add_parser(sub: Any) -> None:
     cal.add_argument("--max-new-tokens", "-n", type=int, default=128)
     cal.add_argument("--json", action="store_true", help="print the result as JSON")
     add_spec_flags(cal)
-    cal.set_defaults(run=run_calibrate)
+    cal.set_defaults(
+        run=run_calibrate, fixed_strategy=("dspark", "calibrate suggests DSpark's --low/--high")
+    )
 
     plot = sub.add_parser(
         "trace-plot", help="plot K and confidence C against output position from a trace file"
