@@ -139,3 +139,14 @@ def test_the_command(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(SystemExit) as exc:
         run_cli(capsys, ["cache", "--prune", "--clear"])
     assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_cache_folder_that_is_a_file_is_an_error(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file = tmp_path / "cache"
+    file.write_text("not a folder")
+    monkeypatch.setenv("SPECFORK_CACHE_DIR", str(file))
+    code, out, err = run_cli(capsys, ["cache"])
+    assert code == 2 and out == "" and "is a file, not a folder" in err  # it said "empty"
+    assert file.read_text() == "not a folder"

@@ -191,6 +191,21 @@ def test_task_data_keeps_the_answers_and_trains_beside_other_sets(tmp_path, data
     assert code != 0 and "train on data sets of one target and feature layers" in err
 
 
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--layers", "2,15,99"], "outside the target's blocks 0-29"),
+        (["--init", "/nonexistent-head"], "is not a draft head"),
+    ],
+)
+def test_a_refused_training_run_leaves_no_folders_behind(tmp_path, capsys, flags, words) -> None:
+    out = tmp_path / "nested" / "head"
+    argv = ["train-head", "--dtype", "float32", "--out", str(out), "--samples", "1", *flags]
+    code, _, err = run_cli(capsys, argv)
+    assert code == 2 and words in err, err
+    assert not out.exists()  # it was made for the data, then found empty
+
+
 class _LogitsAreInputs:
     """A stand-in head whose logits are its outputs (to score chains by hand)."""
 
@@ -434,6 +449,12 @@ def test_foreign_corrupt_and_missing_heads_are_refused(smollm_f32, head_dir, tmp
         load_head(broken, cfg)
     with pytest.raises(ConfigError, match="not a draft head"):
         load_head(tmp_path, cfg)
+    mismatched = tmp_path / "mismatched"  # a head.json of another run beside these weights
+    mismatched.mkdir()
+    (mismatched / "head.json").write_text(json.dumps({**meta, "intermediate_size": 1000}))
+    (mismatched / "head.safetensors").write_bytes(data)
+    with pytest.raises(ConfigError, match=r"head.json does not match head.safetensors \(tensor "):
+        load_head(mismatched, cfg)
 
 
 def test_the_shipped_head_drafts_for_the_default_model(smollm_f32, tmp_path, capsys) -> None:

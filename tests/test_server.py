@@ -341,6 +341,16 @@ def test_bad_input_is_400(served: Served, path: str, body: bytes | dict, param: 
 
 
 @pytest.mark.slow
+def test_null_inside_speculative_means_not_given(served: Served) -> None:
+    base = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
+    plain = httpx.post(f"{served.url}/v1/completions", json=base, timeout=60)
+    body = {**base, "speculative": {"strategy": None, "drafter": None}}
+    resp = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("body", "words"),
     [

@@ -344,6 +344,11 @@ def run_cache(args: argparse.Namespace, err: Console) -> int:
     from specfork.loading.registry import cache_dir
 
     folder = cache_dir()
+    if folder.exists() and not folder.is_dir():
+        raise SpecforkError(
+            f"the cache folder {folder} is a file, not a folder; set SPECFORK_CACHE_DIR to a "
+            "folder (or move the file away)"
+        )
     cxx = compiler()
     found = cache_folder.entries(folder, artifact_key(cxx) if cxx else None)
     removed = None

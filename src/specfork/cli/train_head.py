@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -143,20 +144,25 @@ def run(args: argparse.Namespace, err: Console) -> int:
         weight_decay=args.weight_decay,
         precision=args.precision,
     )
-    output_folder(args.out, "--out")  # before minutes of loading and making data
-    if args.data is None or not args.data.is_dir():  # an existing one may only be read
-        output_folder(args.data or args.out / "data", "--data")
     for extra in args.extra_data:
         if not extra.is_dir():
             raise ConfigError(f"--extra-data {extra} is not a folder of training data")
-    with err.status(f"loading {escape(args.model)}…", spinner="dots"):
-        loaded = load_model(args.model, progress=False, **model_options(args))
-    init = load_head(head_folder(args.init, loaded), loaded.model.config) if args.init else None
     data_dir = args.data or args.out / "data"
-    t0 = time.perf_counter()
-    with _bar(err) as bar:
-        task = bar.add_task("making data", total=args.samples, info="")
-        make_data(loaded, data_dir, data_cfg, lambda done, _: bar.update(task, completed=done))
+    new_folders = [f for f in (args.out, data_dir) if not f.exists()]
+    output_folder(args.out, "--out")  # before minutes of loading and making data
+    if args.data is None or not args.data.is_dir():  # an existing one may only be read
+        output_folder(data_dir, "--data")
+    try:
+        with err.status(f"loading {escape(args.model)}…", spinner="dots"):
+            loaded = load_model(args.model, progress=False, **model_options(args))
+        init = load_head(head_folder(args.init, loaded), loaded.model.config) if args.init else None
+        t0 = time.perf_counter()
+        with _bar(err) as bar:
+            task = bar.add_task("making data", total=args.samples, info="")
+            make_data(loaded, data_dir, data_cfg, lambda done, _: bar.update(task, completed=done))
+    except BaseException:
+        _remove_if_empty(reversed(new_folders))  # a refused run leaves no empty folders behind
+        raise
     if args.data_only:
         err.print(
             f"data in {data_dir} ({args.samples} samples, {time.perf_counter() - t0:.0f} s); "
@@ -218,6 +224,14 @@ def _bar(err: Console) -> Progress:
         console=err,
         transient=False,
     )
+
+
+def _remove_if_empty(folders: Iterable[Path]) -> None:
+    """Remove the folders this run made that are still empty (a partial data set stays: the
+    next run completes it)."""
+    for folder in folders:
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def _layers(text: str | None) -> tuple[int, ...]:

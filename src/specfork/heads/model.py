@@ -245,6 +245,27 @@ def save_head(head: DraftHead, folder: Path, dtype: torch.dtype | None = None) -
     write_text(folder / "head.json", json.dumps(head.config.to_dict(), indent=1))
 
 
+def _check_tensors(head: DraftHead, tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """ConfigError naming the first tensor whose name or shape head.json does not expect."""
+    expected = head.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    wrong = [n for n in expected if n in tensors and tensors[n].shape != expected[n].shape]
+    if not (missing or extra or wrong):
+        return
+    if wrong:
+        name = wrong[0]
+        what = (f"tensor {name} is {tuple(tensors[name].shape)} in head.safetensors but "
+                f"{tuple(expected[name].shape)} by head.json")  # fmt: skip
+    else:
+        absent, unknown = ", ".join(missing[:3]) or "none", ", ".join(extra[:3]) or "none"
+        what = f"missing tensors: {absent}; unknown tensors: {unknown}"
+    raise ConfigError(
+        f"the draft head {folder}: head.json does not match head.safetensors ({what}); keep "
+        "the two files of one train-head run together, or train the head again"
+    )
+
+
 def load_head(folder: Path, target: ModelConfig, dtype: torch.dtype = torch.float32) -> DraftHead:
     """A saved head, checked against `target`; ConfigError for a foreign, corrupt or partial
     checkpoint (naming what is wrong)."""
@@ -266,12 +287,13 @@ def load_head(folder: Path, target: ModelConfig, dtype: torch.dtype = torch.floa
     head = DraftHead(cfg)
     try:
         tensors = load_file(str(folder / "head.safetensors"))
-        head.load_state_dict(tensors, strict=True)
     except (SafetensorError, RuntimeError, OSError) as exc:
         raise ConfigError(
             f"the draft head weights {folder / 'head.safetensors'} are corrupt or incomplete "
             f"({str(exc).splitlines()[0]}); train or copy the head again"
         ) from exc
+    _check_tensors(head, tensors, folder)
+    head.load_state_dict(tensors, strict=True)
     d2t = head.d2t
     if d2t.numel() != cfg.draft_vocab or d2t.min() < 0 or d2t.max() >= cfg.target_vocab:
         raise ConfigError(f"the draft head {folder} maps draft tokens outside the vocabulary")

@@ -478,6 +478,7 @@ def _speculative(obj: Any, default: SpecConfig, limits: RequestLimits) -> SpecCo
             f"valid keys: {', '.join(SPEC_KEYS)}",
             param="speculative",
         )
+    obj = {key: value for key, value in obj.items() if value is not None}  # null: not given
     _check_spec_values(obj, default)
     try:
         spec = spec_with(default, obj)
