@@ -605,8 +605,9 @@ CORPUS = [
     C("spec-strategy-number", CMPL, spec(strategy=1)),
     C("spec-empty", CMPL, spec(), may_succeed=True),
     C("spec-ar", CMPL, spec(strategy="ar"), may_succeed=True),
-    C("spec-nulls", CMPL, spec(strategy="speculative", k=None, weights=None)),
-    C("spec-strategy-null", CMPL, spec(strategy=None)),
+    # null inside speculative means "not given", as everywhere (docs/server.md)
+    C("spec-nulls", CMPL, spec(strategy="speculative", k=None, weights=None), may_succeed=True),
+    C("spec-strategy-null", CMPL, spec(strategy=None), may_succeed=True),
     C("spec-drafter-null", CMPL, spec(strategy="spork", drafter=None), may_succeed=True),
     C(
         "spec-recycle-persist",
