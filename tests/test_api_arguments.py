@@ -3,6 +3,8 @@ argument and what it takes, never a TypeError or AttributeError from deep inside
 
 from __future__ import annotations
 
+import logging
+
 import numpy
 import pytest
 import torch
@@ -139,3 +141,12 @@ def test_token_ids_of_any_integer_kind_are_a_prompt(loaded: LoadedModel) -> None
 def test_bad_token_ids_name_the_element(loaded: LoadedModel, prompt: object, words: str) -> None:
     with pytest.raises(PromptError, match=words):
         Generator(loaded).generate(prompt, config=CONFIG)  # type: ignore[arg-type]
+
+
+def test_a_max_context_beyond_the_model_is_capped_with_a_warning(
+    loaded: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="specfork.engine"):
+        gen = Generator(loaded, max_context=10**6)
+    assert gen.context == loaded.config.max_position
+    assert "max_context 1000000 is beyond what" in caplog.text

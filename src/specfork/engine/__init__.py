@@ -174,6 +174,11 @@ class Generator:
         self.tokenizer = loaded.tokenizer
         limit = loaded.config.max_position
         self.context = min(limit, max_context) if max_context is not None else limit
+        if max_context is not None and max_context > limit:
+            log.warning(
+                "max_context %d is beyond what %s was trained for; using its %d positions",
+                max_context, loaded.path.name, limit,
+            )  # fmt: skip
         self.prefill_chunk = prefill_chunk
         self.max_strategies = max_strategies
         self.spec = spec or SpecConfig()
