@@ -135,6 +135,9 @@ def test_token_ids_of_any_integer_kind_are_a_prompt(loaded: LoadedModel) -> None
         ([1.5], r"prompt element 0 is 1.5 \(float\)"),
         ([1, "a"], r"prompt element 1 is 'a' \(str\)"),
         ([1, True], r"prompt element 1 is True \(bool\)"),
+        ([1, torch.tensor(True)], r"prompt element 1 is tensor\(True\)"),
+        ([torch.tensor([7])], r"prompt element 0 is tensor\(\[7\]\).*ids.tolist\(\)"),
+        ([1, "x" * 100_000], r"prompt element 1 is 'xxxx.*\.\.\..*' \(str\)"),  # shortened
         ((-1, 5), r"prompt token ids must be in \[0, "),
     ],
 )

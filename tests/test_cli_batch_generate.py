@@ -121,7 +121,9 @@ def test_results_never_replace_the_batch_file(
 ) -> None:
     batch = tmp_path / "b.jsonl"
     batch.write_text('"hello"\n')
-    for output in (batch, tmp_path / "." / "b.jsonl"):
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(batch)
+    for output in (batch, link):  # the same file under its name and through a link
         argv = ["generate", "-m", str(folder), "--batch", str(batch), "-o", str(output)]
         code, out, err = run_cli(capsys, argv)
         assert out == ""

@@ -102,6 +102,9 @@ def test_trace_plot_errors(capsys, tmp_path: Path) -> None:
     assert code == 2 and ".png" in err and not (tmp_path / "k.txt").exists()
     code, _, err = _run(capsys, ["trace-plot", str(good), "--out", str(tmp_path)])
     assert code == 2 and "is a folder" in err
+    too_long = tmp_path / ("x" * 300 + ".png")  # the name alone makes the OS refuse it
+    code, _, err = _run(capsys, ["trace-plot", str(good), "--out", str(too_long)])
+    assert code == 2 and "cannot write the plot" in err and "Traceback" not in err
     assert not list(tmp_path.parent.glob(f"{tmp_path.name}.png"))
 
 

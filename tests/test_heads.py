@@ -196,14 +196,17 @@ def test_task_data_keeps_the_answers_and_trains_beside_other_sets(tmp_path, data
     [
         (["--layers", "2,15,99"], "outside the target's blocks 0-29"),
         (["--init", "/nonexistent-head"], "is not a draft head"),
+        (["--data", "{tmp}/a-file"], "is a file; give a folder"),
     ],
 )
 def test_a_refused_training_run_leaves_no_folders_behind(tmp_path, capsys, flags, words) -> None:
     out = tmp_path / "nested" / "head"
+    (tmp_path / "a-file").write_text("")
+    flags = [flag.replace("{tmp}", str(tmp_path)) for flag in flags]
     argv = ["train-head", "--dtype", "float32", "--out", str(out), "--samples", "1", *flags]
     code, _, err = run_cli(capsys, argv)
     assert code == 2 and words in err, err
-    assert not out.exists()  # it was made for the data, then found empty
+    assert not (tmp_path / "nested").exists()  # made for the data, then found empty
 
 
 class _LogitsAreInputs:

@@ -25,6 +25,7 @@ import openai
 import pytest
 from rich.console import Console
 
+from cli_run import run_cli
 from specfork.cli import serve as serve_command
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.engine import GenerationResult, Generator
@@ -361,6 +362,8 @@ def test_null_inside_speculative_means_not_given(served: Served) -> None:
         ({"prompt": [-1, 5]}, "prompt[0] is -1"),
         ({"prompt": [1.5]}, "prompt[0] is 1.5"),
         ({"prompt": [[1], [2]]}, "one prompt per request"),
+        ({"prompt": [[1, -2]]}, "prompt[0][1] is -2"),  # a batch of one prompt
+        ({"prompt": [1, "y" * 1000]}, 'prompt[1] is "yyyy'),
     ],
 )
 def test_a_refusal_names_the_bad_value_as_sent(served: Served, body: dict, words: str) -> None:
@@ -732,6 +735,14 @@ def test_serve_reports_bad_flags_and_taken_port_before_loading() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(SpecforkError, match="cannot listen"):
             serve_command.run(_serve_args("-m", "no-such-model", "--port", str(port)), console)
+
+
+@pytest.mark.parametrize("flags", [[], ["--fixed-strategy"], ["--strategy", "speculative"]])
+def test_serve_from_the_command_line_reaches_its_own_checks(capsys, flags: list[str]) -> None:
+    """Through `specfork` itself (main parses and resolves the strategy flags), not only
+    `serve.run`: a serve flag may not collide with what other commands set."""
+    code, out, err = run_cli(capsys, ["serve", "-m", "no-such-model", *flags])
+    assert code == 2 and out == "" and "unknown model 'no-such-model'" in err, err
 
 
 @pytest.mark.slow

@@ -447,7 +447,10 @@ def test_the_schema_flag_takes_a_file_or_inline_json(tmp_path: Path) -> None:
     file.write_text(json.dumps(SCHEMA), encoding="utf-8")
     assert constraint_from_args(flags(str(file))) == Constraint.json_schema(SCHEMA)
     # inline JSON that is not an object is judged as a schema, not looked up as a file name
-    with pytest.raises(ConfigError, match="must be a JSON object"):
-        constraint_from_args(flags("[1, 2]"))
+    for inline in ("[1, 2]", json.dumps(list(range(200)))):  # the long one is no file name
+        with pytest.raises(ConfigError, match="must be a JSON object"):
+            constraint_from_args(flags(inline))
+    with pytest.raises(ConfigError, match="cannot read the schema file"):
+        constraint_from_args(flags("y" * 300))
     with pytest.raises(ConfigError, match="cannot read the schema file"):
         constraint_from_args(flags(str(tmp_path / "missing.json")))

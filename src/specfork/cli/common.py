@@ -157,7 +157,7 @@ def resolve_strategy(args: argparse.Namespace) -> None:
     --strategy turn speculation on (the strategy the flags belong to), and a flag the chosen
     strategy does not read is an error naming the strategy that reads it."""
     given = given_options(args)
-    fixed = getattr(args, "fixed_strategy", None)  # (strategy, why) of a command that runs one
+    fixed = getattr(args, "only_strategy", None)  # (strategy, why) of a command that runs one
     if fixed is not None:
         strategy, why = fixed
         if args.strategy not in (None, strategy):
@@ -238,6 +238,14 @@ def add_constraint_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _exists(path: Path) -> bool:
+    """Whether `path` exists; False where the name cannot be a path (too long, say)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def _is_json(text: str) -> bool:
     """Whether `text` is a JSON value (inline JSON that is not an object, e.g. '[1, 2]', goes to
     the schema's own check, which names what a schema must be)."""
@@ -257,7 +265,7 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     if args.json_schema is None:
         return None
     text = args.json_schema.strip()
-    if not text.startswith("{") and (Path(text).exists() or not _is_json(text)):
+    if not text.startswith("{") and (_exists(Path(text)) or not _is_json(text)):
         path = Path(text)
         try:
             text = path.read_text(encoding="utf-8")

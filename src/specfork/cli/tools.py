@@ -57,7 +57,7 @@ def add_parser(sub: Any) -> None:
     cal.add_argument("--json", action="store_true", help="print the result as JSON")
     add_spec_flags(cal)
     cal.set_defaults(
-        run=run_calibrate, fixed_strategy=("dspark", "calibrate suggests DSpark's --low/--high")
+        run=run_calibrate, only_strategy=("dspark", "calibrate suggests DSpark's --low/--high")
     )
 
     plot = sub.add_parser(
@@ -211,7 +211,7 @@ def plot_path(trace: Path, out: Path | None) -> Path:
     the trace's name with ``.png``."""
     if out is None:
         return trace.with_suffix(".png")
-    if out.is_dir():
+    if _is_folder(out):
         example = out / trace.with_suffix(".png").name
         raise ConfigError(f"--out {out} is a folder: give a file name such as {example}")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -223,6 +223,15 @@ def plot_path(trace: Path, out: Path | None) -> Path:
             f"{', '.join('.' + name for name in sorted(formats))} (e.g. {out.with_suffix('.png')})"
         )
     return out
+
+
+def _is_folder(path: Path) -> bool:
+    """Whether `path` is a folder; False where the name cannot be a path (too long, say): the
+    write then fails with its own message."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
 
 
 def read_trace(path: Path) -> list[dict]:

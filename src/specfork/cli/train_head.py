@@ -8,6 +8,7 @@ last checkpoint in the output folder (with the same settings). The result is a f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections.abc import Iterable
@@ -148,11 +149,11 @@ def run(args: argparse.Namespace, err: Console) -> int:
         if not extra.is_dir():
             raise ConfigError(f"--extra-data {extra} is not a folder of training data")
     data_dir = args.data or args.out / "data"
-    new_folders = [f for f in (args.out, data_dir) if not f.exists()]
-    output_folder(args.out, "--out")  # before minutes of loading and making data
-    if args.data is None or not args.data.is_dir():  # an existing one may only be read
-        output_folder(data_dir, "--data")
+    new_folders = _missing_folders([args.out, data_dir])  # deepest first
     try:
+        output_folder(args.out, "--out")  # before minutes of loading and making data
+        if args.data is None or not args.data.is_dir():  # an existing one may only be read
+            output_folder(data_dir, "--data")
         with err.status(f"loading {escape(args.model)}…", spinner="dots"):
             loaded = load_model(args.model, progress=False, **model_options(args))
         init = load_head(head_folder(args.init, loaded), loaded.model.config) if args.init else None
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             task = bar.add_task("making data", total=args.samples, info="")
             make_data(loaded, data_dir, data_cfg, lambda done, _: bar.update(task, completed=done))
     except BaseException:
-        _remove_if_empty(reversed(new_folders))  # a refused run leaves no empty folders behind
+        _remove_if_empty(new_folders)  # a refused run leaves no empty folders behind
         raise
     if args.data_only:
         err.print(
@@ -226,12 +227,24 @@ def _bar(err: Console) -> Progress:
     )
 
 
+def _missing_folders(paths: Iterable[Path]) -> list[Path]:
+    """The folders (and their parents) that do not exist yet, deepest first."""
+    missing: set[Path] = set()
+    for path in paths:
+        path = path.absolute()
+        while not path.exists() and path != path.parent:
+            missing.add(path)
+            path = path.parent
+    return sorted(missing, key=lambda p: len(p.parts), reverse=True)
+
+
 def _remove_if_empty(folders: Iterable[Path]) -> None:
     """Remove the folders this run made that are still empty (a partial data set stays: the
-    next run completes it)."""
+    next run completes it); one that cannot be removed stays, quietly."""
     for folder in folders:
-        if folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
+        with contextlib.suppress(OSError):
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
 
 
 def _layers(text: str | None) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import reprlib
 import threading
 import time
 from collections import OrderedDict
@@ -76,8 +77,9 @@ def _token_id(t: object) -> bool:
 
 
 def _integer(t: object) -> int | None:
-    """`t` as a token id if it is an integer of any kind (Python, NumPy, a 0-d tensor)."""
-    if isinstance(t, bool):
+    """`t` as a token id if it is an integer of any kind (Python, NumPy, a 0-d tensor); not a
+    truth value nor a one-element array."""
+    if isinstance(t, bool) or getattr(t, "ndim", 0) != 0 or "bool" in str(getattr(t, "dtype", "")):
         return None
     try:
         return operator.index(t)
@@ -95,8 +97,9 @@ def _as_token_ids(prompt: Sequence[object]) -> list[int] | None:
         i = _integer(t)
         if i is None:
             raise PromptError(
-                f"prompt element {index} is {t!r} ({type(t).__name__}): a prompt list holds "
-                "token ids (integers) or chat messages (dicts), not a mix or other values"
+                f"prompt element {index} is {reprlib.repr(t)} ({type(t).__name__}): a prompt "
+                "list holds token ids (integers) or chat messages (dicts), not a mix or other "
+                "values (an array of ids: pass ids.tolist())"
             )
         ids.append(i)
     return ids
@@ -177,7 +180,7 @@ class Generator:
         if max_context is not None and max_context > limit:
             log.warning(
                 "max_context %d is beyond what %s was trained for; using its %d positions",
-                max_context, loaded.path.name, limit,
+                max_context, loaded.label, limit,
             )  # fmt: skip
         self.prefill_chunk = prefill_chunk
         self.max_strategies = max_strategies
@@ -297,7 +300,8 @@ class Generator:
         config: GenerationConfig | None = None,
     ) -> list[int]:  # fmt: skip
         """The prompt's token ids, checked (PromptError/ConfigError name what is wrong): a
-        list of ints is taken as token ids, anything else is encoded."""
+        list or tuple of integers (Python, NumPy, 0-d tensors) is taken as token ids, text and
+        chat messages are encoded."""
         if not isinstance(prompt, (str, list, tuple)):
             raise PromptError(
                 f"a prompt is a string, a list of chat messages or a list of token ids, not "

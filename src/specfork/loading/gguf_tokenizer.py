@@ -126,11 +126,13 @@ def _transformers_gguf_tokenizer(path: Path, metadata: Mapping[str, Any]) -> Any
 
     with tempfile.TemporaryDirectory(prefix="specfork-gguf-") as folder:
         link = Path(folder) / path.name
+        tokenizer_type = _tokenizer_type(metadata)
         try:
             link.symlink_to(path.resolve())
-        except OSError:  # no symlinks here (some Windows setups): use the file's own folder
-            folder, link = str(path.parent), path
-        known = {"tokenizer_type": kind} if (kind := _tokenizer_type(metadata)) else {}
+        except OSError:  # no symlinks here (some Windows setups): use the file's own folder,
+            folder, link = str(path.parent), path  # where a tokenizer_config.json may name
+            tokenizer_type = None  # the class: let transformers choose as it always does
+        known = {"tokenizer_type": tokenizer_type} if tokenizer_type else {}
         try:
             return AutoTokenizer.from_pretrained(folder, gguf_file=link.name, **known)
         except Exception as error:  # transformers raises many types for files it cannot convert

@@ -207,12 +207,6 @@ class Tokenizer:
 
     # ----------------------------------------------------------------------------- chat template
 
-    @property
-    def _name(self) -> str:
-        """The model's file or folder name: messages a server may pass on to its clients name
-        no path of the server's disk."""
-        return Path(self.source).name or str(self.source)
-
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
@@ -223,7 +217,7 @@ class Tokenizer:
         """
         if self.chat_template is None:
             raise ConfigError(
-                f"The model {self._name} has no chat template, so it cannot take chat messages; "
+                f"The model {self.source} has no chat template, so it cannot take chat messages; "
                 "give it a plain text prompt instead."
             )
         import jinja2
@@ -239,11 +233,11 @@ class Tokenizer:
             )
         except jinja2.TemplateError as error:
             raise PromptError(
-                f"The chat template of {self._name} rejected the messages: {error}"
+                f"The chat template of {self.source} rejected the messages: {error}"
             ) from error
         except (TypeError, ValueError) as error:  # e.g. a number where the template adds text
             raise PromptError(
-                f"The chat template of {self._name} cannot render the messages ({error}); "
+                f"The chat template of {self.source} cannot render the messages ({error}); "
                 "give each message a string role and string content"
             ) from error
 

@@ -245,9 +245,9 @@ def _check_n(n: Any) -> None:
 
 
 def _prompt(obj: dict[str, Any]) -> str | list[int]:
-    prompt = obj.get("prompt")
+    prompt, where = obj.get("prompt"), "prompt"
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+        prompt, where = prompt[0], "prompt[0]"  # a batch of one
     if isinstance(prompt, str):
         if not prompt.strip():
             raise APIError("the prompt is empty; give some text to continue", param="prompt")
@@ -259,9 +259,11 @@ def _prompt(obj: dict[str, Any]) -> str | list[int]:
         raise APIError("one prompt per request; send the prompts separately", param="prompt")
     if isinstance(prompt, list) and prompt:
         index, bad = next((i, t) for i, t in enumerate(prompt) if not _is_token_id(t))
+        shown = json.dumps(bad)
+        shown = shown if len(shown) <= 40 else shown[:40] + "…"
         raise APIError(
-            f"prompt[{index}] is {json.dumps(bad)[:40]}: a prompt list holds token ids, "
-            "integers >= 0 (or give one string)",
+            f"{where}[{index}] is {shown}: a prompt list holds token ids, integers >= 0 (or "
+            "give one string)",
             param="prompt",
         )
     raise APIError("prompt is required: a non-empty string or a list of token ids", param="prompt")
