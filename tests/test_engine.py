@@ -287,7 +287,7 @@ def test_text_that_is_not_utf8_is_a_prompt_error(gen: Generator, prompt) -> None
 
 @pytest.mark.slow
 def test_booleans_are_not_token_ids(gen: Generator) -> None:
-    with pytest.raises(PromptError, match="must be a dict, not bool"):
+    with pytest.raises(PromptError, match=r"prompt element 0 is True \(bool\)"):
         gen.prompt_ids([True, False])
     assert gen.prompt_ids([1, 2, 3]) == [1, 2, 3]
 

@@ -283,13 +283,17 @@ def test_a_build_another_process_finished_while_this_one_waited_is_loaded(
     from torch.utils import cpp_extension
 
     from specfork.kernels import build
+    from specfork.loading.registry import cache_dir
 
     built = load_kernels()
     if built is None:
         pytest.skip("no kernels on this machine")
     key = build.artifact_key(build.compiler())
+    # the finished build (the loaded library's own folder is a temporary one, renamed since,
+    # where this process built the kernels itself)
+    finished = cache_dir() / "kernels" / key
     monkeypatch.setenv("SPECFORK_CACHE_DIR", str(tmp_path))
-    shutil.copytree(Path(built.__file__).parent, tmp_path / "kernels" / key)
+    shutil.copytree(finished, tmp_path / "kernels" / key)
     looks = []
 
     def finished_while_waiting(folder: Path, library: Path) -> bool:
