@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -238,10 +239,11 @@ def add_constraint_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _exists(path: Path) -> bool:
-    """Whether `path` exists; False where the name cannot be a path (too long, say)."""
+def path_is(path: Path, test: Callable[[Path], bool]) -> bool:
+    """`test(path)` (`Path.exists`, `Path.is_dir`, ...); False where the name cannot be a path
+    (too long, say): whatever reads or writes it then fails with its own message."""
     try:
-        return path.exists()
+        return test(path)
     except OSError:
         return False
 
@@ -265,7 +267,7 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     if args.json_schema is None:
         return None
     text = args.json_schema.strip()
-    if not text.startswith("{") and (_exists(Path(text)) or not _is_json(text)):
+    if not text.startswith("{") and (path_is(Path(text), Path.exists) or not _is_json(text)):
         path = Path(text)
         try:
             text = path.read_text(encoding="utf-8")

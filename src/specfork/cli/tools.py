@@ -18,6 +18,7 @@ from specfork.cli.common import (
     add_model_flags,
     add_spec_flags,
     model_options,
+    path_is,
     read_first_turns,
     spec_from_args,
 )
@@ -211,7 +212,7 @@ def plot_path(trace: Path, out: Path | None) -> Path:
     the trace's name with ``.png``."""
     if out is None:
         return trace.with_suffix(".png")
-    if _is_folder(out):
+    if path_is(out, Path.is_dir):
         example = out / trace.with_suffix(".png").name
         raise ConfigError(f"--out {out} is a folder: give a file name such as {example}")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -223,15 +224,6 @@ def plot_path(trace: Path, out: Path | None) -> Path:
             f"{', '.join('.' + name for name in sorted(formats))} (e.g. {out.with_suffix('.png')})"
         )
     return out
-
-
-def _is_folder(path: Path) -> bool:
-    """Whether `path` is a folder; False where the name cannot be a path (too long, say): the
-    write then fails with its own message."""
-    try:
-        return path.is_dir()
-    except OSError:
-        return False
 
 
 def read_trace(path: Path) -> list[dict]:

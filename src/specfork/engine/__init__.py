@@ -286,11 +286,10 @@ class Generator:
         """A validated request with its own state (cache, drafter, policy, rng), not yet run:
         `stream` runs it alone, `specfork.engine.batch.Scheduler` with others. Its cache goes
         back with `release(req)`."""
-        _check_kind("config", config, GenerationConfig)
+        ids = self.prompt_ids(prompt, chat=chat, config=config)  # config's kind checked there
         _check_kind("sampling", sampling, SamplingParams)
         _check_kind("spec", spec, SpecConfig)
         config = config or GenerationConfig()
-        ids = self.prompt_ids(prompt, chat=chat, config=config)
         self._check_thread()
         self.use_strategy(spec or self.default_spec)
         return self._new_request(ids, config, sampling or SamplingParams())
@@ -302,12 +301,12 @@ class Generator:
         """The prompt's token ids, checked (PromptError/ConfigError name what is wrong): a
         list or tuple of integers (Python, NumPy, 0-d tensors) is taken as token ids, text and
         chat messages are encoded."""
+        _check_kind("config", config, GenerationConfig)
         if not isinstance(prompt, (str, list, tuple)):
             raise PromptError(
                 f"a prompt is a string, a list of chat messages or a list of token ids, not "
                 f"{type(prompt).__name__}"
             )
-        _check_kind("config", config, GenerationConfig)
         ids = None if isinstance(prompt, str) else _as_token_ids(prompt)
         if ids is None:
             ids = self.encode_prompt(prompt, chat)
