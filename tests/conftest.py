@@ -29,7 +29,9 @@ def pytest_configure(config: pytest.Config) -> None:
     running all of them would oversubscribe the cores."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+        share = max(1, torch.get_num_threads() // workers)
+        torch.set_num_threads(share)
+        os.environ["OMP_NUM_THREADS"] = str(share)  # what threads="auto" runs (specfork.threads)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -20,6 +20,7 @@ from specfork.engine import Generator
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.models import cost_cache
 from specfork.models.cost import ROWS
+from specfork.threads import Threads, ThreadUse
 from tiny_models import tiny_chat_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,12 +70,12 @@ def test_a_bad_or_stale_file_is_measured_again(
 
 def test_the_key_follows_the_weights_and_the_thread_count(tiny: LoadedModel, tmp_path) -> None:
     before = cost_cache.curve_file(tiny.model, tiny.path, tmp_path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(threads + 1)
+    threads = tiny.model.thread_use().threads
+    tiny.model.set_threads(Threads(threads + 1, adaptive=False))
     try:
         assert cost_cache.curve_file(tiny.model, tiny.path, tmp_path) != before
     finally:
-        torch.set_num_threads(threads)
+        tiny.model.set_threads(Threads(threads, adaptive=False))
     os.utime(tiny.path, (time.time() + 5, time.time() + 5))  # the weights changed
     assert cost_cache.curve_file(tiny.model, tiny.path, tmp_path) != before
 
@@ -92,6 +93,9 @@ class _OnKernels:
 
     def describe(self) -> str:
         return "gguf, cpu, kernels avx2"
+
+    def thread_use(self) -> ThreadUse:
+        return ThreadUse(threads=2)
 
 
 def test_the_key_follows_the_kernels_build(tiny: LoadedModel, tmp_path) -> None:

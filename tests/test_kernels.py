@@ -112,16 +112,18 @@ def test_rows_are_batch_invariant(which: T | Kind) -> None:
 
 @pytest.mark.parametrize("which", ALL_KINDS, ids=lambda t: t.name)
 def test_thread_count_does_not_change_results(which: T | Kind) -> None:
+    """The kernels' own pool (csrc/pool.h) at 1, 2 and 3 threads, fixed or adaptive."""
     packed = any_weight(which, 64, 96)
     x = torch.randn(6, 96)
-    before = torch.get_num_threads()
+    before = K.threads()
     try:
-        torch.set_num_threads(1)
+        K.set_threads(1, False)
         one = K.packed_linear(packed, x)
-        torch.set_num_threads(max(2, before))
-        assert torch.equal(K.packed_linear(packed, x), one)
+        for threads, adaptive in ((2, False), (3, True)):
+            K.set_threads(threads, adaptive)
+            assert torch.equal(K.packed_linear(packed, x), one), threads
     finally:
-        torch.set_num_threads(before)
+        K.set_threads(before, False)
 
 
 GENERIC_SCRIPT = """

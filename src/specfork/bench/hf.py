@@ -26,6 +26,7 @@ from specfork.bench.records import BenchStrategy, RunOutput
 from specfork.bench.specs import StrategySpec
 from specfork.config import SamplingParams
 from specfork.extras import MissingDependencyError, require
+from specfork.threads import torch_threads
 
 DEFAULT_PROMPT_LOOKUP = 10  # transformers' documented example value of prompt_lookup_num_tokens
 
@@ -101,9 +102,11 @@ def hf_runner(
     sampling: SamplingParams,
     *,
     ignore_eos: bool = False,
+    threads: int = 1,
     **method_kwargs: Any,
 ) -> Callable[[list[int]], RunOutput]:
-    """Measures one `generate` configuration: t(1 token), then t(n tokens)."""
+    """Measures one `generate` configuration on `threads` PyTorch threads: t(1 token), then
+    t(n tokens)."""
     eos = frozenset(eos_ids)
 
     def generate(ids: list[int], k: int) -> tuple[float, list[int]]:
@@ -112,7 +115,7 @@ def hf_runner(
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), torch_threads(threads):
             out = model.generate(x, attention_mask=torch.ones_like(x), **kw, **method_kwargs)
         return time.perf_counter() - t0, out[0, len(ids) :].tolist()
 
@@ -144,6 +147,7 @@ def build_hf_strategy(
     sampling: SamplingParams,
     ignore_eos: bool = False,
     default_draft: str | None = None,
+    threads: int = 1,
 ) -> BenchStrategy:
     """A ready baseline, or one carrying the error that kept it from loading."""
     description = spec.describe()
@@ -168,7 +172,9 @@ def build_hf_strategy(
         description["generate_kwargs"] = {
             k: v for k, v in method_kwargs.items() if k != "assistant_model"
         }
-        run = hf_runner(model, n, eos_ids, sampling, ignore_eos=ignore_eos, **method_kwargs)
+        description["threads"] = threads
+        run = hf_runner(model, n, eos_ids, sampling, ignore_eos=ignore_eos, threads=threads,
+                        **method_kwargs)  # fmt: skip
         return BenchStrategy(spec.label, "hf", run, description)
     except MissingDependencyError as exc:  # not installed: skipped, with the pip command
         error = f"{spec.label} needs {exc.extra.package}: {exc.extra.command}"

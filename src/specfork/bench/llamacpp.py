@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from specfork.bench.records import BenchStrategy, RunOutput
 from specfork.bench.specs import StrategySpec
 from specfork.config import SamplingParams
@@ -36,8 +34,9 @@ def llamacpp_available() -> bool:
 
 
 def _load(
-    label: str, path: Path, n_ctx: int, seed: int | None, lookup: dict[str, int] | None
-) -> Any:
+    label: str, path: Path, n_ctx: int, seed: int | None, lookup: dict[str, int] | None,
+    threads: int,
+) -> Any:  # fmt: skip
     Llama = require("llama_cpp", label).Llama
 
     kwargs: dict[str, Any] = {}
@@ -49,7 +48,7 @@ def _load(
         )
         kwargs["logits_all"] = True  # speculation reads every row's logits
     return Llama(
-        model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=torch.get_num_threads(),
+        model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads,
         seed=seed if seed is not None else 0, verbose=False, **kwargs,
     )  # fmt: skip
 
@@ -102,8 +101,10 @@ def build_llamacpp_strategy(
     eos_ids: Iterable[int],
     sampling: SamplingParams,
     ignore_eos: bool = False,
+    threads: int = 1,
 ) -> BenchStrategy:
-    """A ready llama.cpp baseline, or one carrying the error that kept it from loading."""
+    """A ready llama.cpp baseline on `threads` threads, or one carrying the error that kept it
+    from loading."""
     description = spec.describe()
     try:
         if target_path.is_dir():
@@ -113,8 +114,8 @@ def build_llamacpp_strategy(
             lookup = {"k": spec.options.get("k", DEFAULT_LOOKUP_K),
                       "max_ngram": spec.options.get("max_ngram", DEFAULT_LOOKUP_NGRAM)}  # fmt: skip
             description["lookup"] = lookup
-        llm = _load(spec.label, target_path, context, sampling.seed, lookup)
-        description["threads"] = torch.get_num_threads()
+        llm = _load(spec.label, target_path, context, sampling.seed, lookup, threads)
+        description["threads"] = threads
         run = llamacpp_runner(llm, n, eos_ids, sampling, ignore_eos)
         return BenchStrategy(spec.label, "llamacpp", run, description)
     except MissingDependencyError as exc:  # not installed (or broken): skipped, with the command

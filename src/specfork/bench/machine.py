@@ -57,9 +57,13 @@ def command_line(argv: Sequence[str] | None = None) -> str:
 
 
 def machine_info(
-    dtype: str | None = None, device: str | None = None, backend: str | None = None
+    dtype: str | None = None,
+    device: str | None = None,
+    backend: str | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
-    """What results.json records about the machine and software (dtype: the precision)."""
+    """What results.json records about the machine and software (dtype: the precision;
+    threads: what the run computed with, default PyTorch's intra-op threads)."""  # fmt: skip
     try:
         import transformers
 
@@ -67,7 +71,8 @@ def machine_info(
     except ImportError:
         tf_version = None
     return {
-        "cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+        "cpu": cpu_name(), "cpu_count": os.cpu_count(),
+        "threads": threads if threads is not None else torch.get_num_threads(),
         "torch": torch.__version__, "transformers": tf_version, "python": platform.python_version(),
         "platform": platform.platform(), "specfork": __version__, "dtype": dtype, "device": device,
         "backend": backend, "command": command_line(),

@@ -32,7 +32,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.constraint import Constraint
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import DTYPES, Model, resolve_dtype
+from specfork.threads import parse_threads
 
 # ------------------------------------------------------------------------ runners
 
@@ -282,6 +283,7 @@ class BenchSettings:
     dtype: str = "auto"
     device: str = "auto"
     kernels: bool | None = None  # specfork's compiled CPU kernels: None = where they help
+    threads: int | str | None = None  # None/"auto": the usable cores, fewer while busy
     exact: bool = False  # every specfork strategy must run batch-invariant steps
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -305,6 +307,7 @@ class BenchSettings:
             raise ConfigError(f"warmup must be an integer >= 0, got {self.warmup}")
         if not (isinstance(self.near_tie, (int, float)) and self.near_tie >= 0):
             raise ConfigError(f"the near-tie tolerance must be >= 0, got {self.near_tie}")
+        parse_threads(self.threads)
         if not self.prompts:
             raise PromptError("no prompts to run (check --per-category / --limit)")
         if not self.strategies:
@@ -330,7 +333,7 @@ class BenchSettings:
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model, "dtype": self.dtype, "device": self.device,
-            "kernels": self.kernels, "exact": self.exact,
+            "kernels": self.kernels, "threads": self.threads, "exact": self.exact,
             "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
             "seed": self.seed, "ignore_eos": self.ignore_eos, "repeats": self.repeats,
             "warmup": self.warmup, "near_tie_tolerance": self.near_tie,
@@ -418,7 +421,7 @@ def run_benchmark(
         with status:
             loaded = load_model(settings.model, dtype=settings.dtype, device=settings.device,
                                 kernels=True if settings.exact else settings.kernels,
-                                progress=False)  # fmt: skip
+                                threads=settings.threads, progress=False)  # fmt: skip
     generator = Generator(loaded)
     reference = next(s.label for s in specs if s.is_plain)
     if settings.repeats > 1 and any(_persistent_recycle(s.spec) for s in specs):
@@ -446,12 +449,19 @@ def run_benchmark(
         later.append(following_turn(generator, p, answer, suffix))
         return later[-1]
 
+    threads_at_start = loaded.model.thread_use()
     measurements = run_interleaved(
         strategies, prompts, repeats=settings.repeats, warmup=settings.warmup,
         reference=reference, progress=progress,
         warmup_prompt=first_turn(generator, -1, warmup, chat),
         next_turn=next_turn if multi_turn else None,
     )  # fmt: skip
+    threads = loaded.model.thread_use().since(threads_at_start)
+    if threads.warning() is not None:
+        notes.append(
+            f"{threads.warning()}: compare the strategies' ratios (interleaved, so they shared "
+            "the same conditions), not their absolute tok/s; rerun on a quiet machine for those"
+        )
     prompts = sorted([*prompts, *later], key=lambda p: (p.index, p.turn))
     built = {(p.index, p.turn) for p in prompts}
     for m in measurements:  # later turns that could not be built have no rows: say why
@@ -487,10 +497,12 @@ def run_benchmark(
     if multi_turn:
         by_turn = {str(t): summarize(per_prompt, labels, categories, turn=t)
                    for t in turns_of(per_prompt)}  # fmt: skip
+    machine = machine_info(loaded.model.precision, str(loaded.model.device),
+                           loaded.model.describe(), threads.threads)  # fmt: skip
+    machine["thread_use"] = asdict(threads)
     return BenchResults(
         settings=settings,
-        machine=machine_info(loaded.model.precision, str(loaded.model.device),
-                             loaded.model.describe()),
+        machine=machine,
         strategies=strategies, prompts=prompts, measurements=measurements,
         per_prompt=per_prompt, summary=summarize(per_prompt, labels, categories),
         categories=categories, reference=reference, notes=notes, model_path=str(loaded.path),
@@ -598,7 +610,7 @@ def _build_hf(
     return hf.build_hf_strategy(
         spec, target_path=loaded.path, models=state["models"], n=settings.max_new_tokens,
         eos_ids=loaded.tokenizer.eos_ids, sampling=sampling, ignore_eos=settings.ignore_eos,
-        default_draft=drafts[0] if drafts else None,
+        default_draft=drafts[0] if drafts else None, threads=loaded.model.thread_use().threads,
     )  # fmt: skip
 
 
@@ -624,6 +636,7 @@ def _build_llamacpp(
     return llamacpp.build_llamacpp_strategy(
         spec, target_path=loaded.path, n=settings.max_new_tokens, context=context,
         eos_ids=loaded.tokenizer.eos_ids, sampling=sampling, ignore_eos=settings.ignore_eos,
+        threads=loaded.model.thread_use().threads,
     )  # fmt: skip
 
 

@@ -115,10 +115,10 @@ def run_batch(args: argparse.Namespace, loaded: Any, generator: Any, config: Any
         except SpecforkError as exc:
             raise SpecforkError(f"prompt {number} of {args.batch}: {exc}") from None
     batch = BatchConfig.rows_for(args.max_running, args.step_rows)
-    t0 = time.perf_counter()
+    t0, use = time.perf_counter(), loaded.model.thread_use()
     results = generate_batch(generator, items, chat=chat, config=config, sampling=sampling,
                              batch=batch)  # fmt: skip
-    wall = time.perf_counter() - t0
+    wall, threads = time.perf_counter() - t0, loaded.model.thread_use().since(use)
     out = _open_output(args.output)
     try:
         for i, result in enumerate(results):
@@ -140,8 +140,12 @@ def run_batch(args: argparse.Namespace, loaded: Any, generator: Any, config: Any
         line = (
             f"{loaded.label} ({loaded.model.describe()}) | {len(results)} prompts, {tokens} "
             f"tokens in {wall:.2f} s ({tokens / wall:.1f} tok/s), up to {args.max_running} at once"
+            f" | {threads.describe()}"
         )
         err.print(line, style="dim", markup=False, highlight=False)
+        if threads.warning() is not None:
+            err.print(f"warning: {threads.warning()}", style="yellow", markup=False,
+                      highlight=False)  # fmt: skip
     return 0
 
 

@@ -142,14 +142,15 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     picked = select_prompts(prompts, args.per_category, args.limit)
     if not picked:
         raise PromptError(f"no prompts selected from {source}")
-    kernels = model_options(args)["kernels"]
+    options = model_options(args)
     return BenchSettings(
         strategies=specs,
         prompts=picked,
         model=args.model,
         dtype=args.dtype,
         device=args.device,
-        kernels=kernels,
+        kernels=options["kernels"],
+        threads=options["threads"],
         exact=args.exact,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

@@ -25,6 +25,7 @@ from specfork.spec_schema import (
     check_used,
     implied_strategy,
 )
+from specfork.threads import AUTO, parse_threads
 
 EXIT_USER_ERROR = 2
 GROUPS = {
@@ -58,6 +59,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "they help, on = required, off = eager PyTorch",
     )
     p.add_argument(
+        "--threads",
+        default=AUTO,
+        metavar="N|auto",
+        help="threads that compute: auto (default) = the usable cores (affinity, physical "
+        "cores, a container's CPU quota), fewer while other jobs keep them busy; N = exactly N",
+    )
+    p.add_argument(
         "--exact",
         action="store_true",
         help="guarantee output bitwise equal to plain decoding: fail unless the steps "
@@ -73,7 +81,9 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError("--exact needs the kernels' batch-invariant steps, not --kernels off")
         kernels = "on"
     wanted = {"auto": None, "on": True, "off": False}[kernels]
-    return {"dtype": args.dtype, "device": args.device, "kernels": wanted}
+    threads = getattr(args, "threads", AUTO)
+    parse_threads(threads)  # a bad value fails before anything loads
+    return {"dtype": args.dtype, "device": args.device, "kernels": wanted, "threads": threads}
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

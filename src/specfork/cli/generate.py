@@ -165,10 +165,18 @@ def run(args: argparse.Namespace, err: Console) -> int:
             model = f"{loaded.label} ({loaded.model.describe()})"
             summary = f"{stream.result.stats.summary()} | finish: {stream.result.finish_reason}"
             err.print(f"{model} | {summary}", style="dim", markup=False, highlight=False)
+            _warn_shared_cores(stream.result.stats, err)
         _report(args, stream.result.stats, err)
         if stream.result.logprobs is not None:
             _logprob_table(stream.result.logprobs, loaded.tokenizer, err)
     return 0
+
+
+def _warn_shared_cores(stats: GenerationStats, err: Console) -> None:
+    """One line when other jobs kept the cores busy during the run."""
+    warning = stats.threads.warning() if stats.threads is not None else None
+    if warning is not None:
+        err.print(f"warning: {warning}", style="yellow", markup=False, highlight=False)
 
 
 def _check_single_flags(args: argparse.Namespace) -> None:

@@ -15,6 +15,7 @@ from specfork.engine.thread import model_thread, run_in
 from specfork.errors import ConfigError, SpecforkError
 from specfork.server.run import bind_socket, require_server_packages
 from specfork.server.security import WILDCARD_BINDS, default_allowed_hosts
+from specfork.threads import parse_threads
 
 if TYPE_CHECKING:
     from specfork.config import SpecConfig
@@ -221,8 +222,11 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
         **settings,
     )
     host, port = sock.getsockname()[:2]
+    model = generator.model
+    threads = parse_threads(args.threads).describe()
     err_console.print(
-        f"serving {args.model} ({spec.strategy}) on http://{host}:{port}/v1",
+        f"serving {args.model} ({model.describe()}, {threads}; {spec.strategy}) on "
+        f"http://{host}:{port}/v1",
         markup=False,
         highlight=False,
     )

@@ -22,6 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from specfork.atomic import output_folder
 from specfork.cli.common import add_model_flags, model_options
 from specfork.errors import ConfigError
+from specfork.threads import torch_threads
 
 if TYPE_CHECKING:
     from specfork.tools.head_train import TrainConfig
@@ -190,9 +191,10 @@ def run(args: argparse.Namespace, err: Console) -> int:
 
         layers = tuple(meta["feature_layers"])
         save_dtype = getattr(torch, args.save_dtype)
-        head = train_head(
-            loaded, samples, layers, args.out, train_cfg, shown, save_dtype, held_out, init
-        )
+        with torch_threads(loaded.model.thread_use().threads):  # training is PyTorch's work
+            head = train_head(
+                loaded, samples, layers, args.out, train_cfg, shown, save_dtype, held_out, init
+            )
     trained = time.perf_counter() - t1
     history = json.loads((args.out / "training.json").read_text())
     chains = [h for h in history if h.get("held_out_chain") is not None]

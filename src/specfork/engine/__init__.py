@@ -369,7 +369,7 @@ class Generator:
                 tokens = run_round(self.model, req)
         stats.decode_seconds = time.perf_counter() - t1
         yield req.out.new_text()
-        yield result(req)
+        yield result(req, self.model)
 
     def _new_request(
         self, ids: list[int], config: GenerationConfig, sampling: SamplingParams
@@ -391,6 +391,7 @@ class Generator:
             policy=self.policy.begin() if drafting else None,
             gate=self._new_gate(),
             grammar=self._grammar(config),
+            threads_at_start=self.model.thread_use(),
         )
 
     def _grammar(self, config: GenerationConfig) -> GrammarState | None:
@@ -464,9 +465,11 @@ class Generator:
             )
 
     def _check_thread(self) -> None:
-        """Warn once when decoding on the CPU from a thread other than the loading one."""
+        """Warn once when decoding on the CPU from a thread other than the loading one, where
+        that matters (PyTorch's eager path; the kernels run on their own threads)."""
         here = threading.get_ident()
-        if self._warned_thread or self.model.device.type != "cpu" or here == self._loaded.thread_id:
+        bound = self.model.device.type == "cpu" and self.model.bound_to_loading_thread
+        if self._warned_thread or not bound or here == self._loaded.thread_id:
             return
         self._warned_thread = True
         log.warning(

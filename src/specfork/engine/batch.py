@@ -524,7 +524,7 @@ class Scheduler:
         self.running.remove(running)
         running.finished = True
         self.generator.release(req, keep=self.config.max_running)
-        return Update(running, text, result(req))
+        return Update(running, text, result(req, self.model))
 
     def _record(self, work: _Work, t0: float) -> None:
         draft_rows = sum(len(p.draft) for _, p in work.rounds)

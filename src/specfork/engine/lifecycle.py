@@ -16,6 +16,7 @@ from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.request import Request
 from specfork.engine.round import constrained
 from specfork.engine.stats import GenerationStats
+from specfork.models.base import Steps
 from specfork.sampling import next_token
 
 
@@ -72,10 +73,12 @@ def stopped(req: Request, started: float) -> bool:
     return out.done
 
 
-def result(req: Request) -> GenerationResult:
-    """The request's result (after its output has ended, or been ended)."""
+def result(req: Request, model: Steps) -> GenerationResult:
+    """The request's result (after its output has ended, or been ended) on `model`."""
     if req.grammar is not None:
         req.stats.grammar_seconds = req.grammar.mask_seconds
+    if req.threads_at_start is not None:
+        req.stats.threads = model.thread_use().since(req.threads_at_start)
     out = req.out
     reason = out.finish_reason or "length"
     return GenerationResult(

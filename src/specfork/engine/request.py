@@ -21,6 +21,7 @@ from specfork.engine.output import OutputBuilder
 from specfork.engine.stats import GenerationStats
 from specfork.strategies.goodput import GoodputGate, TreeGate
 from specfork.strategies.policies import DraftPolicy
+from specfork.threads import ThreadUse
 
 
 @dataclass(eq=False)
@@ -41,6 +42,7 @@ class Request:
     history: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # of the output tokens, when asked for
     round_logprobs: list[TokenLogprob] = field(default_factory=list)  # the last round's tokens
+    threads_at_start: ThreadUse | None = None  # the model's thread counters when it opened
 
     def __post_init__(self) -> None:
         if not self.history:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from specfork.threads import ThreadReport
+
 
 @dataclass(frozen=True, slots=True)
 class RoundRecord:
@@ -50,6 +52,7 @@ class GenerationStats:
     cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache, not prefilled
     time_to_first_token: float = 0.0
     decode_seconds: float = 0.0
+    threads: ThreadReport | None = None  # the threads it ran on; whether the cores were busy
 
     @property
     def acceptance_rate(self) -> float:
@@ -118,6 +121,8 @@ class GenerationStats:
             f"{self.prefill_tokens_per_second:.0f} tok/s | decode "
             f"{self.decode_tokens_per_second:.1f} tok/s | TTFT {self.time_to_first_token:.2f} s"
         )
+        if self.threads is not None:
+            line += f" | {self.threads.describe()}"
         if self.grammar_seconds > 0:
             line += f" | grammar masks {self.grammar_seconds:.2f} s"
         if self.lossy:

@@ -37,11 +37,11 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
-    "common.cpp", "gemm.cpp", "gemm_avx2.cpp", "attention.cpp", "rowops.cpp", "head.cpp",
-    "model.cpp",
+    "common.cpp", "pool.cpp", "gemm.cpp", "gemm_avx2.cpp", "attention.cpp", "rowops.cpp",
+    "head.cpp", "model.cpp",
 )  # fmt: skip
-CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")  # OpenMP: at::parallel_for
-LDFLAGS = ("-fopenmp",)  # links libgomp.so.1, which resolves to the one PyTorch loaded
+CFLAGS = ("-O3", "-fno-math-errno")
+LDFLAGS: tuple[str, ...] = ()  # the kernels run on their own threads (csrc/pool.h), not OpenMP
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
              "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")  # fmt: skip
 READY = "READY"  # a built folder's marker: the sha256 of its library

@@ -25,6 +25,7 @@ from specfork.loading.registry import cache_dir, resolve_model
 from specfork.loading.tokenizer import Tokenizer
 from specfork.models import DecoderLM, build_model
 from specfork.models.fast import FastLM, fits_kernels
+from specfork.threads import apply_torch, parse_threads
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ def load_model(
     device: str | torch.device = "auto",
     progress: bool = True,
     kernels: bool | None = None,
+    threads: int | str | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer; `name_or_path` is a .gguf file, a checkpoint folder, a
     packaged name or a Hugging Face Hub id (precedence: `registry.resolve_model`).
@@ -152,6 +154,8 @@ def load_model(
     `dtype`: auto, float32, bfloat16, float16 or gguf (a GGUF's own quantized weights).
     `kernels`: run on specfork's compiled CPU kernels (None: where they help; see
     `kernels_for`); they are batch-invariant, so speculative output is bitwise plain output.
+    `threads`: how many threads compute (None or "auto": the usable cores, fewer while other
+    jobs keep them busy; a number: exactly that many); process-wide (`specfork.threads`).
     """
     if isinstance(name_or_path, os.PathLike):
         name_or_path = os.fspath(name_or_path)
@@ -162,16 +166,20 @@ def load_model(
         )
     if kernels is not None and not isinstance(kernels, bool):
         raise ConfigError(f"kernels must be True, False or None (where they help), got {kernels!r}")
+    setting = parse_threads(threads)
+    apply_torch(setting)  # loading runs PyTorch operators too
     t0 = time.perf_counter()
     path = resolve_model(name_or_path, progress=progress)
     model = load_decoder(path, dtype=dtype, device=device, kernels=kernels)
+    model.set_threads(setting)
     if path.is_dir():
         tokenizer = Tokenizer.from_folder(path)
     else:
         tokenizer = Tokenizer.from_gguf(path, cache_dir() / "tokenizers")
     seconds = time.perf_counter() - t0
     loaded = LoadedModel(model=model, tokenizer=tokenizer, path=path, load_seconds=seconds)
-    log.info("loaded %s (%s) in %.2f s", loaded.label, model.describe(), seconds)
+    log.info("loaded %s (%s, %s) in %.2f s", loaded.label, model.describe(), setting.describe(),
+             seconds)  # fmt: skip
     return loaded
 
 

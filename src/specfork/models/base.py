@@ -24,6 +24,7 @@ from specfork.config import ModelConfig
 from specfork.models import cost_cache
 from specfork.models.cost import CostCurve
 from specfork.models.layers import Linear, PackedRows, RMSNorm, Rotary
+from specfork.threads import Threads, ThreadUse, apply_torch
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class Steps:
 
     config: ModelConfig
     _cost: CostCurve | None = None
+    #: Whether its CPU work runs on the OpenMP pool of the thread that loaded it (PyTorch's
+    #: eager operators: run it from that thread), not on threads of its own (the kernels).
+    bound_to_loading_thread: ClassVar[bool] = True
 
     def cost_curve(self, source: Path | None = None, folder: Path | None = None) -> CostCurve:
         """What a forward of R rows costs relative to one row, measured on first use — or read
@@ -65,6 +69,14 @@ class Steps:
             rows = dict(zip(self._cost.rows, (round(c, 2) for c in self._cost.cost), strict=True))
             log.info("forward cost by rows (in one-row forwards): %s", rows)
         return self._cost
+
+    def set_threads(self, threads: Threads) -> None:
+        """Compute with `threads` (process-wide: PyTorch's intra-op threads)."""
+        apply_torch(threads)
+
+    def thread_use(self) -> ThreadUse:
+        """The threads' counters now (the eager path counts no regions)."""
+        return ThreadUse(threads=torch.get_num_threads())
 
     def extend(
         self,

@@ -38,7 +38,7 @@ def curve_file(model: object, source: Path, folder: Path) -> Path:
         model.dtype,  # type: ignore[attr-defined]
         _kernels_build(model),
         _device_name(device),
-        torch.get_num_threads(),
+        model.thread_use().threads,  # type: ignore[attr-defined]
         torch.__version__,
         ROWS,
         FORMAT,
@@ -58,8 +58,14 @@ def load_or_measure(model: object, source: Path | None, folder: Path) -> CostCur
         stored = _read(path)
         if stored is not None:
             return stored
+    threads_before = model.thread_use()  # type: ignore[attr-defined]
     curve = CostCurve.measure(model)
-    if path is not None:
+    threads = model.thread_use().since(threads_before)  # type: ignore[attr-defined]
+    fewer = threads.reduced >= threads.NOTABLE  # the pool backed off: not the key's count
+    if fewer:
+        log.warning("the cost curve was measured on fewer threads while other jobs kept the "
+                    "cores busy: this process uses it, later ones measure again")  # fmt: skip
+    if path is not None and not fewer:
         _write(curve, path)
     return curve
 

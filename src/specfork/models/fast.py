@@ -21,6 +21,7 @@ from specfork.cache import KVCache
 from specfork.config import ModelConfig
 from specfork.models.base import DecoderLM, Segment, Steps
 from specfork.models.layers import rope_inv_freq
+from specfork.threads import Threads, ThreadUse
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +51,32 @@ class FastLM(Steps):
         self.precision = precision
         self.detail = detail  # e.g. the GGUF block types
         self._weights = weights  # weights per layer and of the LM head (for step_weights)
+        self._adaptive = False  # whether the kernels' pool backs off while the cores are busy
 
     #: a row's logits never depend on the other rows of its forward (csrc/common.h)
     batch_invariant = True
+    #: the kernels run on their own thread pool, from whichever thread calls them
+    bound_to_loading_thread = False
 
     def describe(self) -> str:
         """Precision, device and backend, as outputs and benchmark rows state them."""
         detail = f" {self.detail}" if self.detail else ""
         return f"{self.precision}{detail}, cpu, kernels {self.kernels.isa()}"
+
+    def set_threads(self, threads: Threads) -> None:
+        """Compute with `threads` in the kernels' pool, which runs fewer while other jobs keep
+        the cores busy when the setting is adaptive; PyTorch's own operators (sampling and
+        drafting bookkeeping on this path: small) run on one thread, because a second pool
+        spinning on the same cores slowed SPORK by 10-30% and made the kernels' pool back off
+        (both settings process-wide; `specfork.threads.torch_threads` lends PyTorch more)."""
+        torch.set_num_threads(1)
+        self.kernels.set_threads(threads.count, threads.adaptive)
+        self._adaptive = threads.adaptive
+
+    def thread_use(self) -> ThreadUse:
+        """The kernels' thread pool counters now (kernels/csrc/pool.h)."""
+        regions, reduced, windows, busy = self.kernels.thread_counts()
+        return ThreadUse(self.kernels.threads(), self._adaptive, regions, reduced, windows, busy)
 
     # -- the model interface ----------------------------------------------------------------
     @property

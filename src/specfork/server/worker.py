@@ -34,6 +34,7 @@ from specfork.errors import ConstraintError, PromptError, SpecforkError
 from specfork.server.metrics import ServerMetrics
 from specfork.server.schemas import APIError, RequestLimits
 from specfork.server.security import LOOPBACK_HOSTS, host_name
+from specfork.threads import ThreadReport
 
 if TYPE_CHECKING:
     from specfork.engine import GenerationResult
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 PLAIN = SpecConfig()
 DEFAULT_PREFIX_CACHE_MB = 256
+SHARED_CORES_WARNING_EVERY = 60.0  # seconds
 
 
 class Stream(Protocol):
@@ -338,6 +340,7 @@ class EngineWorker:
         self._executor = thread or model_thread()
         self._owns_executor = thread is None
         self._running: Future[None] | None = None
+        self._warned_cores = -math.inf  # when other jobs' use of the cores was last logged
         metrics.track_queue(lambda: self.depth, lambda: len(self._jobs))
         prefix = getattr(self._batch, "prefix", None)
         if prefix is not None:
@@ -487,6 +490,16 @@ class EngineWorker:
         self._jobs[id(handle)] = _Running(job, handle, spec, plain, time.perf_counter())
         job.emit(Event("start", spec=spec, plain_under_load=plain))
 
+    def _warn_shared_cores(self, threads: ThreadReport | None) -> None:
+        """A warning when requests ran while other jobs kept the cores busy (at most one a
+        minute)."""
+        warning = threads.warning("a request") if threads is not None else None
+        now = time.monotonic()
+        if warning is None or now - self._warned_cores < SHARED_CORES_WARNING_EVERY:
+            return
+        self._warned_cores = now
+        log.warning("%s (at most one such warning a minute)", warning)
+
     def _drop_cancelled(self) -> None:
         """Jobs whose clients went away leave the batch now (their caches freed)."""
         for key, state in list(self._jobs.items()):
@@ -525,6 +538,7 @@ class EngineWorker:
         if result is None:
             return events
         del self._jobs[id(update.running)]
+        self._warn_shared_cores(result.stats.threads)
         ttft = state.started - job.created + result.stats.time_to_first_token
         latency = time.perf_counter() - job.created
         self.metrics.observe_generation(result.stats, len(result.token_ids), ttft, latency)

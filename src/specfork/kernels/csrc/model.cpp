@@ -441,5 +441,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &sf::packed_linear, py::call_guard<py::gil_scoped_release>());
   m.def("unpack", &sf::unpack);
   m.def("isa", []() { return std::string(sf::isa_name()); });
+  m.def("threads", &sf::pool_threads);
+  m.def("active_threads", &sf::pool_active);
+  m.def("set_threads", &sf::set_pool_threads, py::arg("threads"), py::arg("adaptive"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("backoff_trace", &sf::backoff_trace, py::arg("most"), py::arg("shares"),
+        py::arg("window_seconds"));
+  m.def("thread_counts", []() {  // (regions, reduced, windows, busy): pool.h PoolCounts
+    const sf::PoolCounts c = sf::pool_counts();
+    return std::make_tuple(c.regions, c.reduced, c.windows, c.busy);
+  });
   m.def("block_bytes", [](int64_t kind) { return sf::block_bytes(static_cast<sf::Kind>(kind)); });
 }
