@@ -88,6 +88,12 @@ def stop_job(job: subprocess.Popen | None) -> None:
     if job is not None:
         os.killpg(job.pid, signal.SIGTERM)
         job.wait()
+        for _ in range(100):  # its children (the spinning processes) are gone too
+            try:
+                os.killpg(job.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
 
 
 def decode_speed(gen: Generator, setting: str, prompt: str, tokens: int) -> dict:

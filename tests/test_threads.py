@@ -114,15 +114,15 @@ def test_a_run_on_busy_cores_says_so() -> None:
 # -- the pool -----------------------------------------------------------------------------------
 @needs_kernels
 def test_the_back_off_rule() -> None:
-    # busy at 2 threads: 1; quiet windows before the 1 s pause: stay; after it: try 2 again
+    # busy at 2 threads: 1; quiet windows before the 0.2 s pause: stay; after it: try 2 again
     assert K.backoff_trace(2, [0.5, 0.0, 0.0], 0.025) == [1, 1, 1]
     assert K.backoff_trace(2, [0.5] + [0.0] * 41, 0.025)[-1] == 2
-    # the try comes in window 40 (1 s after the busy one); when the window after it is busy too,
-    # the pause doubles: the next try comes 2 s later (window 121), not 1 s
-    failed = [0.5] + [0.0] * 40 + [0.5]
-    trace = K.backoff_trace(2, failed + [0.0] * 60, 0.025)
-    assert [i for i in range(1, len(trace)) if trace[i] > trace[i - 1]] == [40]
-    assert K.backoff_trace(2, failed + [0.0] * 81, 0.025)[-1] == 2
+    # the try comes in window 8 (0.2 s after the busy one); when the window after it is busy
+    # too, the pause doubles: the next try comes 0.4 s later (window 25), not 0.2 s
+    failed = [0.5] + [0.0] * 8 + [0.5]
+    trace = K.backoff_trace(2, failed + [0.0] * 10, 0.025)
+    assert [i for i in range(1, len(trace)) if trace[i] > trace[i - 1]] == [8]
+    assert K.backoff_trace(2, failed + [0.0] * 17, 0.025)[-1] == 2
     # a busy machine is not tried while the one thread itself waits for a core
     assert K.backoff_trace(2, [0.5] + [0.3] * 100, 0.025)[-1] == 1
     # many threads back off in proportion to the wait, and never below one

@@ -69,10 +69,12 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even (NaN stays NaN)
 float f16_to_f32(uint16_t h);  // IEEE half (exact)
 uint16_t f32_to_f16(float f);  // round to nearest even
 
-// Parts of a region per thread: enough that the caller can take over most of a descheduled
-// worker's share, few enough to keep each part's setup cheap (a forward of 16-64 rows measured
-// 5-20% slower with 4 or 16 parts a thread than with 1 or 2; one row the same).
-constexpr int64_t kPartsPerThread = 2;
+// Parts of a region per thread. One: a worker that is descheduled or asleep before it claims
+// its part leaves it to the caller; more parts would also split a share a worker claimed and
+// then lost its core over, but each part costs two atomic operations on lines both threads
+// write (2 parts a thread: +0.3 us a region, ~1.5% of a decoding step; 4 or 16: forwards of
+// 16-64 rows 5-20% slower), and an adaptive pool backs off on busy cores anyway.
+constexpr int64_t kPartsPerThread = 1;
 
 // Splits [0, n) over the kernels' threads (pool.h); `fn(begin, end)` runs on each part.
 template <typename F>

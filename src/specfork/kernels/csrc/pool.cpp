@@ -81,9 +81,11 @@ struct Region {
 // Everything the workers share, on the heap: a forked child leaves its parent's state behind.
 struct State {
   explicit State(int workers) : tids(workers) {}
-  std::atomic<uint64_t> ticket{0};
-  std::atomic<int64_t> done{0};
-  std::atomic<int> sleepers{0};  // workers waiting for a region
+  // the two words every part writes, each on a cache line of its own (a worker claiming a part
+  // does not disturb the caller counting finished ones), apart from the read-mostly rest
+  alignas(64) std::atomic<uint64_t> ticket{0};
+  alignas(64) std::atomic<int64_t> done{0};
+  alignas(64) std::atomic<int> sleepers{0};  // workers waiting for a region
   std::atomic<int> active{1};    // threads that run regions (worker i runs while i + 1 < active)
   std::atomic<bool> stop{false};
   Region region;
@@ -157,7 +159,8 @@ class Backoff {
   static constexpr auto kWindow = std::chrono::milliseconds(25);
   static constexpr double kBusy = 0.15, kQuiet = 0.05;
   static constexpr int kQuietWindows = 2;
-  static constexpr auto kFirstPause = std::chrono::seconds(1);
+  // a short disturbance (a process starting) costs at most this long on fewer threads
+  static constexpr auto kFirstPause = std::chrono::milliseconds(200);
   static constexpr auto kLongestPause = std::chrono::seconds(16);
 
   // The number of threads to run from now on (`active` now, of at most `most`; `adaptive`: may
@@ -244,9 +247,11 @@ class Pool {
     return state_ == nullptr ? 1 : state_->active.load();
   }
 
-  PoolCounts counts() {
-    std::lock_guard<std::mutex> lock(counts_mu_);
-    return counts_;
+  PoolCounts counts() const {
+    return PoolCounts{regions_.load(std::memory_order_relaxed),
+                      reduced_.load(std::memory_order_relaxed),
+                      windows_.load(std::memory_order_relaxed),
+                      busy_windows_.load(std::memory_order_relaxed)};
   }
 
   // A new setting (the same one again changes nothing: an adaptive pool keeps what it learnt).
@@ -305,15 +310,22 @@ class Pool {
   // the clock is read, and every Backoff::kWindow the run delay, which may change it.
   int look(State& s, int most) {
     int active = s.active.load(std::memory_order_relaxed);
-    std::lock_guard<std::mutex> lock(counts_mu_);  // uncontended: read rarely by others
     if ((++since_look_ & 63) == 0) {
-      const int chosen = backoff_.next(s, active, most, adaptive_, Clock::now(), counts_);
+      PoolCounts seen;
+      const int chosen = backoff_.next(s, active, most, adaptive_, Clock::now(), seen);
       if (chosen != active) set_active(chosen);
       active = chosen;
+      bump(windows_, seen.windows);
+      bump(busy_windows_, seen.busy);
     }
-    ++counts_.regions;
-    if (active < most) ++counts_.reduced;
+    bump(regions_, 1);
+    if (active < most) bump(reduced_, 1);
     return active;
+  }
+
+  // Counters only the pool's owner writes (others read them): a plain add, no locked one.
+  static void bump(std::atomic<int64_t>& counter, int64_t by) {
+    if (by != 0) counter.store(counter.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
   }
 
   int start_default() {
@@ -371,8 +383,7 @@ class Pool {
   bool adaptive_ = false;
   Backoff backoff_;
   uint64_t gen_ = 0, since_look_ = 0;
-  std::mutex counts_mu_;  // guards counts_ (read by other threads)
-  PoolCounts counts_;
+  std::atomic<int64_t> regions_{0}, reduced_{0}, windows_{0}, busy_windows_{0};  // PoolCounts
 };
 
 }  // namespace
