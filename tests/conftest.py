@@ -12,8 +12,9 @@ import os
 import pytest
 import torch
 
+from specfork.host import cache_dir
 from specfork.loading.loader import LoadedModel, load_model
-from specfork.loading.registry import DEFAULT_MODEL, cache_dir
+from specfork.loading.registry import DEFAULT_MODEL
 from specfork.loading.weight_cache import source_of
 
 

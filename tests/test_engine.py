@@ -204,12 +204,11 @@ def test_tiny_temperature_acts_greedy(gen: Generator, first: GenerationResult) -
 
 
 @pytest.mark.slow
-def test_out_of_range_seed_is_a_config_error(gen: Generator) -> None:
-    try:
-        params = SamplingParams(temperature=0.8, seed=2**64)
-    except ConfigError:
-        return
-    gen.generate(PROMPT, config=GenerationConfig(max_new_tokens=2), sampling=params)
+@pytest.mark.parametrize("seed", [2**64, 2**63, -1])
+def test_out_of_range_seed_is_a_config_error(seed: int) -> None:
+    with pytest.raises(ConfigError, match=r"seed must be an integer in \[0, 2\*\*63\)"):
+        SamplingParams(temperature=0.8, seed=seed)
+    assert SamplingParams(temperature=0.8, seed=2**63 - 1).seed == 2**63 - 1
 
 
 # ----------------------------------------------------------------------------- prompts

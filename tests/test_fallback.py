@@ -86,12 +86,12 @@ def test_the_gate_prices_only_the_costly_sources_drafts_by_their_scores() -> Non
     ones = torch.ones(3, dtype=torch.float64)  # [3]
     free = chain_draft(torch.tensor([4, 5, 6]), scores=ones, source="ngram-3")
     for _ in range(20):  # the n-gram source is always wrong at its first token
-        observe_gate(req, free, free, Verdict([], [9]), [1, 2, 3])
+        observe_gate(req, free, free, Verdict([], [9]))
     assert not req.gate.scored.trials  # no calibration learned from free drafts
     assert len(gated(req, free)) == 0  # its rates say nothing pays
     head_q = torch.tensor([0.9, 0.8], dtype=torch.float64)  # [2]
     network = chain_draft(torch.tensor([4, 5]), scores=head_q, source=fallback.name)
-    observe_gate(req, network, network, Verdict([0, 1], [4, 5, 6]), [1, 2])
+    observe_gate(req, network, network, Verdict([0, 1], [4, 5, 6]))
     assert sum(req.gate.scored.trials.values()) == 2  # the head's drafts calibrate its scores
     assert len(gated(req, network)) == 2
 

@@ -20,9 +20,12 @@ from specfork.strategies.goodput import (
     EXPLORE_EVERY,
     AcceptanceStats,
     GoodputGate,
+    NoGate,
     TreeGate,
     best_length,
 )
+from specfork.tree import Tree
+from specfork.verify import Verdict
 
 FLAT = CostCurve((1, 32), (1.0, 1.0))  # extra rows free
 STEEP = CostCurve((1, 2, 4, 8), (1.0, 2.0, 4.0, 8.0))  # linear: speculation cannot pay
@@ -75,6 +78,53 @@ def test_tree_gate_keeps_the_best_nodes_while_they_pay() -> None:
     assert gate.keep(scores, [1, 1, 2, 2]) == [True, False, True, False]
     free = TreeGate(FLAT)
     assert free.keep(scores, [1, 1, 2, 2]) == [True, True, True, True]
+
+
+def test_no_gate_verifies_everything_and_learns_nothing() -> None:
+    gate = NoGate()
+    draft = chain_draft(torch.tensor([4, 5, 6]), source="ngram-3")
+    assert gate.trim(draft, costly=False) is draft
+    assert gate.values(draft, [0, 1, 2]) is None and gate.first_rate() is None
+    assert gate.depth_for("model", 4, 0.5) is None
+    gate.learn(draft, draft, Verdict([], [9]), costly=False)
+
+
+def test_the_chain_gate_through_its_protocol() -> None:
+    """What the engine calls: trim by the source's rates, values as running products, learn
+    from the proposal, the best first rate; trees are not its to value."""
+    gate = GoodputGate(STEEP)
+    draft = chain_draft(torch.tensor([4, 5, 6]), source="ngram-3")
+    assert len(gate.trim(draft, costly=False)) == 0  # linear cost: nothing pays at the prior
+    assert gate.values(draft, [0, 1, 2]) == pytest.approx([0.5, 0.25, 0.125])
+    for _ in range(10):
+        gate.learn(draft, draft.head(0), Verdict([], [4, 5, 6, 7]), costly=False)
+    rates = gate.stats.rates("ngram-3", 3)
+    assert gate.values(draft, [0, 1, 2]) == pytest.approx(
+        [rates[0], rates[0] * rates[1], rates[0] * rates[1] * rates[2]]
+    )
+    assert gate.first_rate() == pytest.approx(rates[0]) and rates[0] > 0.9
+    assert gate.depth_for("model", 3, 0.0) == 0  # linear cost: a prior model does not pay
+    assert GoodputGate(FLAT).depth_for("model", 3, 0.0) == 3  # free rows: it does
+    assert gate.depth_for("model", 0, 0.0) is None
+    tree = Draft(Tree(torch.tensor([4, 5]), torch.tensor([-1, -1])), source="forks")
+    assert gate.values(tree, [0, 1]) is None
+
+
+def test_the_tree_gate_through_its_protocol() -> None:
+    gate = TreeGate(CostCurve((1, 2, 3, 4, 5), (1.0, 1.2, 1.4, 1.6, 1.8)))
+    scores = torch.tensor([1.0, 0.5, 1.0, 0.25], dtype=torch.float64)  # [4]
+    tree = Tree(torch.tensor([10, 11, 12, 13]), torch.tensor([-1, -1, 0, 1]))  # depths 1 1 2 2
+    draft = Draft(tree, scores=scores, source="forks")
+    kept = gate.trim(draft, costly=False)
+    assert kept.tokens.tolist() == [10, 11, 12]  # as `keep` says: the 0.25 node does not pay
+    assert gate.values(draft, [0, 2, 1, 3]) == pytest.approx([0.5, 0.5, 0.5, 0.25])
+    for _ in range(20):
+        gate.learn(draft, draft, Verdict([0, 2], [10, 12, 7]), costly=False)
+    assert gate.trim(draft, costly=False).tokens.tolist() == [10, 12]
+    assert gate.first_rate() is None and gate.depth_for("model", 3, 0.5) is None
+    unscored = Draft(tree, source="forks")
+    assert gate.trim(unscored, costly=False) is unscored
+    assert gate.values(unscored, [0, 1, 2, 3]) is None
 
 
 def test_a_scored_chain_is_trimmed_where_its_calibrated_scores_stop_paying() -> None:

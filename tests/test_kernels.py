@@ -284,8 +284,8 @@ def test_a_build_another_process_finished_while_this_one_waited_is_loaded(
 
     from torch.utils import cpp_extension
 
+    from specfork.host import cache_dir
     from specfork.kernels import build
-    from specfork.loading.registry import cache_dir
 
     built = load_kernels()
     if built is None:

@@ -75,3 +75,47 @@ def test_no_import_circles() -> None:
 def test_the_circle_finder_finds_circles() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+#: specfork's packages and top-level modules, bottom to top (docs/architecture.md, "Modules"):
+#: a module imports only from its own package and from those before it. The package's own
+#: `__init__` (the public API, which re-exports from the top) stands above them all.
+LAYERS = (
+    "errors", "checks", "extras", "host", "atomic", "threads", "constraint", "config",
+    "spec_schema", "tree", "sampling", "cache", "verify", "kernels", "models", "loading", "heads",
+    "drafters", "strategies", "engine", "tools", "server", "bench", "cli",
+)  # fmt: skip
+
+
+def _layer(module: str) -> str:
+    """The top-level package or module of `specfork.x.y` ("x"; "" for the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    found = []
+    for module, imports in sorted(graph.items()):
+        here = _layer(module)
+        if here == "":
+            continue
+        for imported in sorted(imports):
+            there = _layer(imported)
+            if there == "":  # `from specfork import __version__`: the one fact it holds
+                continue
+            if there != here and rank.get(there, len(LAYERS)) > rank.get(here, -1):
+                found.append(f"{module} imports {imported}")
+    return found
+
+
+def test_imports_run_down_the_layers() -> None:
+    graph = _graph()
+    assert {_layer(m) for m in graph} - {""} == set(LAYERS)  # every package has its place
+    assert _upward_imports(graph) == []
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    graph = {"specfork.models.cost_cache": {"specfork.bench.machine"},
+             "specfork.bench.machine": {"specfork.host"}}  # fmt: skip
+    assert _upward_imports(graph) == ["specfork.models.cost_cache imports specfork.bench.machine"]

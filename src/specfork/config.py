@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from specfork.checks import is_int, is_number
 from specfork.constraint import Constraint
 from specfork.errors import ConfigError
 
@@ -144,20 +145,20 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if not is_number(t) or not math.isfinite(t) or t < 0:
             raise ConfigError(
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
             )
-        if _is_int(self.top_k) and self.top_k == -1:
+        if is_int(self.top_k) and self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
         if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
             raise ConfigError(f"min_p must be in [0, 1], got {self.min_p!r}")
         seed = self.seed
-        if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        if seed is not None and (not is_int(seed) or not 0 <= seed < 2**63):
             raise ConfigError(f"seed must be an integer in [0, 2**63), got {seed!r}")
 
     @property
@@ -201,12 +202,12 @@ class GenerationConfig:
             if t is not None and not (_is_number(t) and t > 0):
                 raise ConfigError(f"{name} must be a number > 0 (or None), got {t!r}")
         n = self.logprobs
-        if n is not None and not (_is_int(n) and 0 <= n <= MAX_LOGPROBS):
+        if n is not None and not (is_int(n) and 0 <= n <= MAX_LOGPROBS):
             raise ConfigError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {n!r}"
             )
         n = self.max_new_tokens
-        if not _is_int(n) or n < 1:
+        if not is_int(n) or n < 1:
             raise ConfigError(f"max_new_tokens must be an integer >= 1, got {n!r}")
         if isinstance(self.stop, str):  # one stop string, as the OpenAI API allows
             object.__setattr__(self, "stop", (self.stop,))
@@ -219,7 +220,7 @@ class GenerationConfig:
             object.__setattr__(self, name, tuple(value))
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ConfigError("stop strings must be non-empty strings")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ConfigError(f"stop token ids must be integers >= 0, got {self.stop_token_ids!r}")
 
 
@@ -228,12 +229,8 @@ def _is_path_source(source: str) -> bool:
     return source == "head" or source.startswith(("head:", "model:"))
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return is_number(x) and math.isfinite(x)
 
 
 STRATEGIES = ("ar", "speculative", "dspark", "spork")
@@ -308,7 +305,7 @@ class SpecConfig:
                 f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}"
             )
         self._check_drafter()
-        if not _is_int(self.k) or self.k < 1:
+        if not is_int(self.k) or self.k < 1:
             raise ConfigError(f"k (draft length) must be an integer >= 1, got {self.k!r}")
         if self.k_policy not in POLICY_NAMES:
             raise ConfigError(
@@ -316,7 +313,7 @@ class SpecConfig:
                 f"choose one of {', '.join(POLICY_NAMES)}"
             )
         for name in ("max_ngram", "min_ngram", "expected_length"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.min_ngram > self.max_ngram:
             raise ConfigError(
@@ -377,7 +374,7 @@ class SpecConfig:
 
     def _check_spork(self) -> None:
         for name in ("forks", "depth", "budget"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.tree not in TREE_SHAPES:
             raise ConfigError(f"unknown tree shape {self.tree!r}; choose one of forks, dynamic")
@@ -404,9 +401,9 @@ class SpecConfig:
             raise ConfigError(f"typical_delta must be > 0, got {self.typical_delta!r}")
 
     def _check_dspark(self) -> None:
-        if not _is_int(self.min_k) or self.min_k < 1:
+        if not is_int(self.min_k) or self.min_k < 1:
             raise ConfigError(f"min_k must be an integer >= 1, got {self.min_k!r}")
-        if not _is_int(self.max_k) or self.max_k < self.min_k:
+        if not is_int(self.max_k) or self.max_k < self.min_k:
             got = self.max_k
             raise ConfigError(f"max_k must be an integer >= min_k ({self.min_k}), got {got!r}")
         low, high = self.low, self.high

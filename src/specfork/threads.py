@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from specfork.checks import is_int
 from specfork.errors import ConfigError
 
 AUTO = "auto"
@@ -38,7 +39,7 @@ class Threads:
     adaptive: bool
 
     def __post_init__(self) -> None:
-        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+        if not is_int(self.count) or self.count < 1:
             raise ConfigError(f"a thread count is a whole number >= 1, got {self.count!r}")
 
     def describe(self) -> str:
@@ -53,7 +54,7 @@ def parse_threads(value: object) -> Threads:
         return Threads(auto_count(), adaptive=True)
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ConfigError(
             f"threads must be a whole number >= 1 or 'auto', got {value!r}; 'auto' (the default) "
             f"runs {auto_count()} here, fewer while other jobs keep the cores busy"

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from specfork.bench.openai_api import OpenAIServer, ServerAnswerError
 from specfork.bench.specs import StrategySpec, ensure_plain, parse_strategies
+from specfork.checks import is_int
 from specfork.config import GenerationConfig, SpecConfig
 from specfork.errors import ConfigError
 
@@ -89,7 +90,7 @@ class LoadSettings:
 
 
 def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return is_int(value) and value >= 1
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from specfork import __version__
+from specfork.host import cpu_name
 
 
 def reset_peak_memory() -> bool:
@@ -35,17 +36,6 @@ def peak_memory_mb() -> float | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo (platform.processor() elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:

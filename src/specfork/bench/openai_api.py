@@ -32,6 +32,7 @@ from typing import Any
 
 from specfork.bench.records import BenchStrategy, PreparedPrompt, RunOutput
 from specfork.bench.specs import StrategySpec
+from specfork.checks import is_int
 from specfork.config import SamplingParams
 
 INSTALL = "pip install 'specfork[bench]'"
@@ -236,7 +237,7 @@ def _output(
     """The run's figures; `timing` is (request sent, first and last content chunk, end)."""
     t0, first, last, end = timing
     tokens = usage.get("completion_tokens") if usage else None
-    if not isinstance(tokens, int) or isinstance(tokens, bool):
+    if not is_int(tokens):
         raise ServerAnswerError(
             f"{url} sent no usage chunk with completion_tokens (it was asked with "
             "stream_options.include_usage): the tokens cannot be counted"

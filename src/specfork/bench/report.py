@@ -33,6 +33,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from specfork.bench.records import FIGURES, OVERALL
+from specfork.checks import is_number
 from specfork.errors import ConfigError
 
 RESULTS_FILE = "results.json.gz"
@@ -368,7 +369,7 @@ def _plot_speedup(doc: Mapping[str, Any], out: Path) -> Path | None:
 
 
 def _value(x: Any) -> float:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
+    return float(x) if is_number(x) else math.nan
 
 
 def _plot_acceptance(doc: Mapping[str, Any], out: Path) -> Path | None:

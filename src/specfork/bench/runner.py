@@ -45,6 +45,7 @@ from specfork.bench.quality import NEAR_TIE, target_logprob, top2_gap
 from specfork.bench.records import BenchStrategy, Measurement, PreparedPrompt, RunOutput
 from specfork.bench.specs import StrategySpec
 from specfork.bench.summary import per_prompt_figures, summarize, turns_of
+from specfork.checks import is_int
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.constraint import Constraint
 from specfork.errors import ConfigError, PromptError
@@ -301,9 +302,9 @@ class BenchSettings:
     def __post_init__(self) -> None:
         if self.turns not in TURNS:
             raise ConfigError(f"turns must be one of {', '.join(TURNS)}, got {self.turns!r}")
-        if not _is_int(self.repeats) or self.repeats < 1:
+        if not is_int(self.repeats) or self.repeats < 1:
             raise ConfigError(f"repeats must be an integer >= 1, got {self.repeats}")
-        if not _is_int(self.warmup) or self.warmup < 0:
+        if not is_int(self.warmup) or self.warmup < 0:
             raise ConfigError(f"warmup must be an integer >= 0, got {self.warmup}")
         if not (isinstance(self.near_tie, (int, float)) and self.near_tie >= 0):
             raise ConfigError(f"the near-tie tolerance must be >= 0, got {self.near_tie}")
@@ -683,10 +684,6 @@ def _with_expected_length(spec: StrategySpec, n: int) -> StrategySpec:
     if "expected_length" in names and "expected_length" not in spec.options:
         return dataclasses.replace(spec, spec=dataclasses.replace(spec.spec, expected_length=n))
     return spec
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @contextmanager

@@ -108,10 +108,10 @@ def run_compile(args: argparse.Namespace, err: Console) -> int:
     import time
 
     from specfork.engine import Generator
+    from specfork.host import cache_dir
     from specfork.kernels import kernel_status
     from specfork.kernels.build import artifact_key, compiler
     from specfork.loading.loader import load_model
-    from specfork.loading.registry import cache_dir
 
     t0 = time.perf_counter()
     with err.status("compiling specfork's CPU kernels (once per machine)…", spinner="dots"):
@@ -340,9 +340,9 @@ def _hub_model_args(h: Any) -> list[str]:
 
 
 def run_cache(args: argparse.Namespace, err: Console) -> int:
+    from specfork.host import cache_dir
     from specfork.kernels.build import artifact_key, compiler
     from specfork.loading import cache_folder
-    from specfork.loading.registry import cache_dir
 
     folder = cache_dir()
     if folder.exists() and not folder.is_dir():

@@ -16,9 +16,10 @@ from typing import Protocol
 
 import torch
 
+from specfork.checks import is_int
 from specfork.config import SamplingParams
 from specfork.errors import ConfigError
-from specfork.tree import Tree, chain
+from specfork.tree import Tree, chain, prune
 
 SHAPE_KINDS = ("chain", "forks", "dynamic")
 
@@ -77,7 +78,7 @@ class DraftShape:
             raise ValueError(f"draft shape kind must be one of {SHAPE_KINDS}, got {self.kind!r}")
         for name in ("depth", "forks", "budget", "model_depth"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if value is not None and (not is_int(value)):
                 raise ValueError(f"draft shape {name} must be an integer, got {value!r}")
             if value is not None and value < 0:
                 raise ValueError(f"draft shape {name} must be >= 0, got {value}")
@@ -131,6 +132,15 @@ class Draft:
         q = None if self.q is None else self.q[:k]
         scores = None if self.scores is None else self.scores[:k]
         return Draft(chain(self.tokens[:k]), q, scores, self.forwards, self.source)
+
+    def subset(self, keep: torch.Tensor) -> Draft:
+        """The nodes where `keep` [N] is True, with their q and scores (a kept node's parent
+        must be kept)."""
+        tree, index = prune(self.tree, keep)
+        kept = index >= 0  # [N]
+        q = None if self.q is None else self.q[kept]
+        scores = None if self.scores is None else self.scores[kept]
+        return Draft(tree, q, scores, self.forwards, self.source)
 
 
 def chain_draft(
@@ -259,7 +269,7 @@ def check_drafter(drafter: object, num_layers: int) -> None:
         )
     layers = drafter.hidden_layers  # type: ignore[attr-defined]
     valid = isinstance(layers, tuple | list) and all(
-        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in layers
+        is_int(i) and 0 <= i < num_layers for i in layers
     )
     if not valid or len(set(layers)) != len(layers):
         raise ConfigError(

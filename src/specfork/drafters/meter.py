@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specfork.checks import is_int
+
 
 @dataclass
 class CostMeter:
@@ -42,7 +44,7 @@ class CostMeter:
             raise ValueError(f"target_seconds must be > 0, got {self.target_seconds}")
         if not self.floor >= 0:
             raise ValueError(f"floor must be >= 0, got {self.floor}")
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+        if not is_int(self.window) or self.window < 1:
             raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
         self.recent = deque(maxlen=self.window)
 

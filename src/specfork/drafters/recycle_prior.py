@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from specfork.atomic import atomic_file
 from specfork.drafters.recycle import UNKNOWN
-from specfork.loading.weight_cache import source_digest
+from specfork.host import source_digest
 from specfork.models.base import DecoderLM
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ import llguidance
 import torch
 
 from specfork.cache import KVCache
+from specfork.checks import is_int
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Drafter, Feedback, check_drafter, newest_rows, start
 from specfork.engine.grammar import GrammarState, grammar_tokenizer
@@ -29,12 +30,12 @@ from specfork.engine.request import Request
 from specfork.engine.round import run_round
 from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError, PromptError
+from specfork.host import cache_dir
 from specfork.loading.loader import LoadedModel
-from specfork.loading.registry import cache_dir
 from specfork.models.cost import CostCurve
 from specfork.sampling import make_generator
 from specfork.strategies import build_strategy
-from specfork.strategies.goodput import GoodputGate, TreeGate
+from specfork.strategies.goodput import Gate, NoGate, new_gate
 from specfork.strategies.policies import DraftPolicy, check_policy
 
 log = logging.getLogger(__name__)
@@ -69,11 +70,6 @@ class TextStream:
                 self.result = event
             else:
                 yield event
-
-
-def _token_id(t: object) -> bool:
-    """Whether `t` reads as a token id (an int; True and False are not)."""
-    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def _integer(t: object) -> int | None:
@@ -143,7 +139,7 @@ def _check_arguments(
     if max_context is not None:
         integers["max_context"] = (max_context, 2)  # a prompt token and a new one
     for name, (value, least) in integers.items():
-        if not _token_id(value) or value < least:
+        if not is_int(value) or value < least:
             raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
@@ -424,12 +420,11 @@ class Generator:
             )
         return logits[-1]
 
-    def _new_gate(self) -> GoodputGate | TreeGate | None:
+    def _new_gate(self) -> Gate:
         """A fresh goodput gate for a strategy that asks for one (goodput.py)."""
         if not (self.spec.goodput and self.drafter is not None):
-            return None
-        cost = self.cost_curve()
-        return TreeGate(cost) if self.spec.strategy == "spork" else GoodputGate(cost)
+            return NoGate()
+        return new_gate(self.spec.strategy == "spork", self.cost_curve())
 
     def cost_curve(self) -> CostCurve:
         """What the goodput gates assume a forward of R rows costs: the curve given to the

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specfork.checks import is_int
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback, newest_rows
 from specfork.engine.lifecycle import GenerationResult, first_tokens, result, stopped, take
@@ -49,8 +50,6 @@ from specfork.models.base import Segment
 from specfork.strategies.goodput import (
     EXPLORE_EVERY,
     PRIOR,
-    GoodputGate,
-    TreeGate,
     allocate,
     least_paying_value,
 )
@@ -81,7 +80,7 @@ class BatchConfig:
     def __post_init__(self) -> None:
         for name in ("max_running", "step_rows"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.step_rows < self.max_running:
             raise ConfigError(
@@ -89,10 +88,10 @@ class BatchConfig:
                 f"(max_running {self.max_running}); raise step_rows or lower max_running"
             )
         b = self.kv_budget_bytes
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+        if b is not None and (not is_int(b) or b < 1):
             raise ConfigError(f"kv_budget_bytes must be an integer >= 1 or None, got {b!r}")
         p = self.prefix_cache_bytes
-        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+        if not is_int(p) or p < 0:
             raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {p!r}")
 
 
@@ -297,7 +296,7 @@ class Scheduler:
         allocate or no request drafts through a goodput gate, so that plain decoding never
         measures the model's cost curve): what a request's best draft node must be worth to be
         worth proposing, beside `prefill` sunk prompt rows."""
-        gated = any(isinstance(r.req.gate, GoodputGate) for r in decoding)
+        gated = any(r.req.gate.first_rate() is not None for r in decoding)
         if not self.config.goodput or budget < 1 or not gated:
             return 0.0
         fixed = len(decoding) + prefill
@@ -310,8 +309,8 @@ class Scheduler:
         best first-position rate): then it does not draft (n-gram lookups and chains for
         sixteen requests cost ~5% of a step), except one step in EXPLORE_EVERY, so that its
         rates keep learning."""
-        gate = running.req.gate
-        if isinstance(gate, GoodputGate) and floor > 0 and gate.stats.best_first_rate() <= floor:
+        best = running.req.gate.first_rate()
+        if best is not None and floor > 0 and best <= floor:
             running.idle += 1
             if running.idle < EXPLORE_EVERY:
                 return NO_SHAPE, EMPTY_DRAFT, EMPTY_DRAFT
@@ -365,23 +364,14 @@ class Scheduler:
         if not len(draft):
             return []
         order = node_order(draft)
-        gate = req.gate
-        if isinstance(gate, GoodputGate) and draft.is_chain:
-            rates, p = gate.stats.rates(draft.source, len(draft)), 1.0
-            raw = []
-            for a in rates:
-                p *= a
-                raw.append(p)
-        elif isinstance(gate, TreeGate) and draft.scores is not None:
-            s, d = draft.scores.tolist(), depths(draft.tree).tolist()
-            raw = [gate.probability(s[i], d[i]) for i in order]
-        elif draft.scores is not None:
+        learned = req.gate.values(draft, order)
+        if learned is not None:
+            return learned
+        if draft.scores is not None:
             s = draft.scores.tolist()
-            raw = [min(1.0, s[i]) for i in order]
-        else:
-            d = depths(draft.tree).tolist()
-            raw = [PRIOR ** d[i] for i in order]
-        return raw
+            return [min(1.0, s[i]) for i in order]
+        d = depths(draft.tree).tolist()
+        return [PRIOR ** d[i] for i in order]
 
     def _chunk(self, running: Running, budget: int) -> int:
         """Prompt rows for this step: what is left, within the budget and the prefill chunk.

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specfork.cache import KVCache
+from specfork.checks import is_int
 from specfork.errors import ConfigError
 
 
@@ -59,7 +60,7 @@ class PrefixCache:
     """A radix tree of cached prefixes under `capacity_bytes` of keys and values."""
 
     def __init__(self, capacity_bytes: int, min_tokens: int = 1) -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+        if not is_int(capacity_bytes):
             raise ConfigError(f"the prefix cache size must be an integer, got {capacity_bytes!r}")
         if capacity_bytes < 1:
             raise ConfigError(f"the prefix cache size must be >= 1 byte, got {capacity_bytes}")

@@ -19,7 +19,7 @@ from specfork.engine.grammar import GrammarState
 from specfork.engine.logprobs import TokenLogprob, token_logprobs
 from specfork.engine.output import OutputBuilder
 from specfork.engine.stats import GenerationStats
-from specfork.strategies.goodput import GoodputGate, TreeGate
+from specfork.strategies.goodput import Gate, NoGate
 from specfork.strategies.policies import DraftPolicy
 from specfork.threads import ThreadUse
 
@@ -37,7 +37,7 @@ class Request:
     spec: SpecConfig
     drafter: Drafter | None = None
     policy: DraftPolicy | None = None
-    gate: GoodputGate | TreeGate | None = None
+    gate: Gate = field(default_factory=NoGate)  # what of each draft to verify
     grammar: GrammarState | None = None  # the output constraint's state, when there is one
     history: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # of the output tokens, when asked for

@@ -20,9 +20,8 @@ from specfork.engine.request import Request
 from specfork.engine.stats import RoundRecord
 from specfork.models.base import DecoderLM, Segment
 from specfork.sampling import probabilities
-from specfork.strategies.goodput import GoodputGate, TreeGate
 from specfork.strategies.policies import RoundInfo
-from specfork.tree import cache_indices, children, depths, prune, tree_mask, tree_positions
+from specfork.tree import cache_indices, children, depths, tree_mask, tree_positions
 from specfork.verify import Verdict, verify_greedy, verify_sampling
 from specfork.verify.keyed import verify_keyed
 from specfork.verify.tree import verify_tree_greedy, verify_tree_sampling, verify_tree_typical
@@ -97,7 +96,7 @@ def trimmed(draft: Draft, n: int) -> Draft:
         return draft.head(n)
     keep = torch.zeros(len(draft), dtype=torch.bool)  # [N]
     keep[node_order(draft)[:n]] = True
-    return _pruned(draft, keep)
+    return draft.subset(keep)
 
 
 def node_order(draft: Draft) -> list[int]:
@@ -108,15 +107,6 @@ def node_order(draft: Draft) -> list[int]:
         return list(range(len(draft)))
     scores = draft.scores.tolist()
     return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
-
-
-def _pruned(draft: Draft, keep: torch.Tensor) -> Draft:
-    """The draft's nodes where `keep` [N] is True (with their q and scores)."""
-    tree, index = prune(draft.tree, keep)
-    kept = index >= 0  # [N]
-    q = None if draft.q is None else draft.q[kept]
-    scores = None if draft.scores is None else draft.scores[kept]
-    return Draft(tree, q, scores, draft.forwards, draft.source)
 
 
 def constrained(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -146,30 +136,19 @@ def fit_shape(req: Request, shape: DraftShape) -> DraftShape:
     if shape.kind != "chain":
         budget = min(shape.max_nodes, req.cache.max_len - req.cache.length - 1)
     model_depth = shape.model_depth
-    if isinstance(req.gate, GoodputGate) and req.drafter.cost > 0 and depth > 0:
-        paying = req.gate.length(req.drafter.name, depth, req.drafter.cost)
+    paying = None
+    if req.drafter.cost > 0:
+        paying = req.gate.depth_for(req.drafter.name, depth, req.drafter.cost)
+    if paying is not None:
         model_depth = paying if model_depth is None else min(model_depth, paying)
     return dataclasses.replace(shape, depth=max(depth, 0), budget=budget, model_depth=model_depth)
 
 
 def gated(req: Request, proposed: Draft) -> Draft:
-    """What the goodput gate keeps of a draft: a chain's best head (by its source's
-    per-position rates, or by a costly drafter's calibrated scores), a tree's best-scored
-    nodes."""
-    gate, drafter = req.gate, req.drafter
-    if not len(proposed) or gate is None or drafter is None:
+    """What the request's gate keeps of a draft (strategies/goodput.py)."""
+    if not len(proposed) or req.drafter is None:
         return proposed
-    costly = by_network(drafter, proposed)
-    if isinstance(gate, GoodputGate) and costly and proposed.is_chain:
-        if proposed.scores is not None:
-            return proposed.head(gate.trim_scored(proposed.scores.tolist()))
-        return proposed.head(gate.length(proposed.source, len(proposed)))  # drafting is paid
-    if isinstance(gate, GoodputGate) and not costly:
-        return proposed.head(gate.length(proposed.source, len(proposed)))
-    if isinstance(gate, TreeGate) and proposed.scores is not None:
-        keep = gate.keep(proposed.scores.tolist(), depths(proposed.tree).tolist())
-        return _pruned(proposed, torch.tensor(keep, dtype=torch.bool))
-    return proposed
+    return req.gate.trim(proposed, by_network(req.drafter, proposed))
 
 
 def by_network(drafter: Drafter, draft: Draft) -> bool:
@@ -262,7 +241,7 @@ def learn(
     req.stats.record_round(len(draft), verdict.accepted, depth)
     extra: dict = {}
     if req.drafter is not None and req.policy is not None:
-        observe_gate(req, proposed, draft, verdict, node_depths)
+        observe_gate(req, proposed, draft, verdict)
         req.stats.draft_forwards += draft.forwards
         fork = _fork(draft, verdict)
         emitted = req.generated + len(verdict.tokens)
@@ -284,15 +263,8 @@ def _fork(draft: Draft, verdict: Verdict) -> int | None:
     return 0 if draft.is_chain else children(draft.tree)[0].index(verdict.path[0])
 
 
-def observe_gate(
-    req: Request, proposed: Draft, draft: Draft, verdict: Verdict, node_depths: list[int]
-) -> None:
-    """A chain gate learns per source and position; a tree gate per node kind (the verified
-    nodes' depths given)."""
-    if isinstance(req.gate, GoodputGate) and len(proposed):
-        drafted = proposed.tokens.tolist()
-        req.gate.observe(proposed.source, drafted, verdict.tokens)
-        if proposed.is_chain and proposed.scores is not None and by_network(req.drafter, proposed):
-            req.gate.observe_scored(proposed.scores.tolist(), drafted, verdict.tokens)
-    elif isinstance(req.gate, TreeGate) and draft.scores is not None and len(draft):
-        req.gate.observe(draft.scores.tolist(), node_depths, verdict.path)
+def observe_gate(req: Request, proposed: Draft, draft: Draft, verdict: Verdict) -> None:
+    """The request's gate learns from the round (a chain gate per source and position, a tree
+    gate per node kind)."""
+    costly = req.drafter is not None and by_network(req.drafter, proposed)
+    req.gate.learn(proposed, draft, verdict, costly)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specfork.checks import is_int
 from specfork.config import ModelConfig, RopeConfig
 from specfork.errors import ConfigError
 from specfork.models.layers import RMSNorm, Rotary, apply_rope
@@ -57,7 +58,7 @@ class HeadConfig:
         sizes = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
         for name in (*sizes, "draft_vocab", "target_vocab", "target_layers"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"head config {name} must be an integer >= 1, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")

@@ -31,7 +31,8 @@ from types import ModuleType
 import torch
 
 from specfork.atomic import exclusive
-from specfork.loading.registry import cache_dir
+from specfork.host import cache_dir
+from specfork.host import cpu_flags as host_cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +59,7 @@ def compiler() -> str | None:
 
 def cpu_flags() -> tuple[str, ...]:
     """The instruction sets of this CPU that the kernels may use (part of the artifact key)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return (platform.machine(),)
-    words = set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            words.update(line.split(":", 1)[1].split())
-            break
+    words = host_cpu_flags()
     return (platform.machine(), *(f for f in CPU_FLAGS if f in words))
 
 

@@ -1,6 +1,6 @@
 """What specfork's cache folder holds, what of it is stale, and removing it (`specfork cache`).
 
-The folder (`registry.cache_dir()`) has one sub-folder per kind of thing, each filled on first
+The folder (`host.cache_dir()`) has one sub-folder per kind of thing, each filled on first
 use and kept for later runs:
 
 - `models/`: packaged GGUFs assembled from their PyPI wheels (fetched again when removed);

@@ -15,13 +15,14 @@ import torch
 
 from specfork.config import ModelConfig
 from specfork.errors import ConfigError, ModelFormatError
+from specfork.host import cache_dir, cpu_flags
 from specfork.kernels import kernel_status
 from specfork.loading import fast as fast_loader
 from specfork.loading import gguf as gguf_loader
 from specfork.loading import safetensors as st_loader
 from specfork.loading import weight_cache
 from specfork.loading.hub import hub_label
-from specfork.loading.registry import cache_dir, resolve_model
+from specfork.loading.registry import resolve_model
 from specfork.loading.tokenizer import Tokenizer
 from specfork.models import DecoderLM, build_model
 from specfork.models.fast import FastLM, fits_kernels
@@ -74,11 +75,7 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 def cpu_has_fast_bf16() -> bool:
     """True when the CPU has native bf16 dot products (AVX-512 BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

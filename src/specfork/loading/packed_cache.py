@@ -26,8 +26,9 @@ from safetensors.torch import load_file, save_file
 
 from specfork.atomic import atomic_file
 from specfork.config import ModelConfig
+from specfork.host import source_digest
 from specfork.kernels import pack
-from specfork.loading.weight_cache import remove_stale, source_digest
+from specfork.loading.weight_cache import remove_stale
 
 log = logging.getLogger(__name__)
 

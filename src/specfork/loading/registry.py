@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from specfork.atomic import exclusive
 from specfork.errors import ModelFormatError, ModelNotFoundError, SpecforkError
+from specfork.host import cache_dir
 from specfork.loading.hub import HubRef, resolve_hub
 
 if TYPE_CHECKING:
@@ -136,21 +137,6 @@ _REGISTRY: Mapping[str, PackagedModel] = _build_registry()
 def packaged_models() -> Mapping[str, PackagedModel]:
     """Return the packaged models by name (read-only; the default model comes first)."""
     return _REGISTRY
-
-
-def cache_dir() -> Path:
-    """Return specfork's cache folder (not created here).
-
-    ``$SPECFORK_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/specfork`` if that is an absolute
-    path, else ``~/.cache/specfork``.
-    """
-    override = os.environ.get("SPECFORK_CACHE_DIR")
-    if override:
-        return Path(override).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg and Path(xdg).is_absolute():
-        return Path(xdg) / "specfork"
-    return Path.home() / ".cache" / "specfork"
 
 
 def model_path(model: PackagedModel) -> Path:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
+from specfork.checks import is_int
 from specfork.errors import ConfigError, ModelFormatError, PromptError
 from specfork.loading.chat_template import compile_chat_template, template_messages
 from specfork.loading.gguf_tokenizer import (
@@ -345,7 +346,7 @@ def _ids_of(value: Any) -> list[int]:
     if isinstance(value, int):
         return [value]
     if isinstance(value, list):
-        return [item for item in value if isinstance(item, int) and not isinstance(item, bool)]
+        return [item for item in value if is_int(item)]
     return []
 
 

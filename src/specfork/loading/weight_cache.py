@@ -11,7 +11,6 @@ stale copies behind.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -22,19 +21,12 @@ from safetensors.torch import load_file, save_file
 
 from specfork.atomic import atomic_file
 from specfork.config import ModelConfig
+from specfork.host import source_digest
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the saved layout or the conversion changes
 Converted = tuple[ModelConfig, dict[str, torch.Tensor]]
-
-
-def source_digest(source: Path, *parts: object) -> str:
-    """A short digest of a file's identity (path, size, mtime) and `parts`: it changes when the
-    file does, so anything derived from the file can be cached under it."""
-    st = source.stat()
-    key = "|".join(str(x) for x in (source.resolve(), st.st_size, st.st_mtime_ns, *parts))
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def cache_file(folder: Path, source: Path, dtype: torch.dtype) -> Path:

@@ -319,10 +319,6 @@ class DecoderLM(Steps, nn.Module):
         return True
 
     # -- weights ----------------------------------------------------------------------------
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy in weights named as in transformers' checkpoints."""
-        self.load_weights(self.from_hf_names(tensors))
-
     def load_weights(self, own: dict[str, torch.Tensor], assign: bool = False) -> None:
         """Load weights named as this module names them; `assign` adopts the tensors as is."""
         missing, unexpected = self.load_state_dict(own, strict=False, assign=assign)

@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 
 from specfork.atomic import atomic_file
-from specfork.bench.machine import cpu_name
-from specfork.loading.weight_cache import source_digest
+from specfork.host import cpu_name, source_digest
 from specfork.models.cost import ROWS, CostCurve
 
 log = logging.getLogger(__name__)

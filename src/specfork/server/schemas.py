@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from specfork.checks import is_int
 from specfork.config import MAX_LOGPROBS, GenerationConfig, SamplingParams, SpecConfig
 from specfork.constraint import Constraint
 from specfork.engine.logprobs import TokenLogprob
@@ -239,7 +240,7 @@ def _check_model(model: Any, served: str) -> None:
 
 
 def _check_n(n: Any) -> None:
-    if n is None or (isinstance(n, int) and not isinstance(n, bool) and n == 1):
+    if n is None or (is_int(n) and n == 1):
         return
     raise APIError(f"n must be 1 (one choice per request), got {n!r}", param="n")
 
@@ -270,7 +271,7 @@ def _prompt(obj: dict[str, Any]) -> str | list[int]:
 
 
 def _is_token_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+    return is_int(t) and t >= 0
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:
@@ -313,7 +314,7 @@ def _max_tokens(obj: dict[str, Any], context: int) -> int | None:
         n = obj.get(name)
         if n is None:
             continue
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if not is_int(n) or n < 1:
             raise APIError(f"{name} must be an integer >= 1, got {n!r}", param=name)
         if n >= context:
             raise APIError(
@@ -430,7 +431,7 @@ def _logprobs(obj: dict[str, Any], kind: Kind) -> int | None:
         n = obj.get("logprobs", False)
         if n is False:
             return None
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS:
+        if not is_int(n) or not 0 <= n <= MAX_LOGPROBS:
             raise APIError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token), "
                 f"got {n!r}",
@@ -439,7 +440,7 @@ def _logprobs(obj: dict[str, Any], kind: Kind) -> int | None:
         return n
     wanted = _bool(obj, "logprobs")
     top = obj.get("top_logprobs", 0)
-    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS:
+    if not is_int(top) or not 0 <= top <= MAX_LOGPROBS:
         raise APIError(
             f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}",
             param="top_logprobs",

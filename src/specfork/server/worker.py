@@ -27,6 +27,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from specfork.checks import is_int, is_number
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.engine.batch import BatchConfig, Scheduler, StepRecord, Update
 from specfork.engine.thread import model_thread
@@ -77,11 +78,6 @@ class Engine(Protocol):
     ) -> Stream: ...
 
 
-def number_type(x: object) -> bool:
-    """An int or a float, not a bool."""
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     """How the server queues and schedules requests (validated on construction)."""
@@ -118,17 +114,17 @@ class ServerSettings:
             "max_running",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise SpecforkError(f"{name} must be an integer >= 1, got {value!r}")
         b = self.kv_budget_mb
-        if b is not None and not (number_type(b) and math.isfinite(b) and b > 0):
+        if b is not None and not (is_number(b) and math.isfinite(b) and b > 0):
             raise SpecforkError(f"kv_budget_mb must be a number of MiB > 0, got {b!r}")
         rows = self.step_rows
         if rows is not None:
             BatchConfig.rows_for(self.max_running, rows)  # the batch's own check and message
         for name in ("plain_above_queue", "prefix_cache_mb"):
             n = getattr(self, name)
-            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            if n is not None and (not is_int(n) or n < 0):
                 raise SpecforkError(f"{name} must be an integer >= 0, got {n!r}")
         self._check_security()
 
@@ -142,14 +138,14 @@ class ServerSettings:
         object.__setattr__(self, "allowed_hosts", names)
         if not self.allowed_hosts or any(not h for h in self.allowed_hosts):
             raise SpecforkError("allowed hosts must be non-empty names (or '*' for any host)")
-        number = isinstance(t, int | float) and not isinstance(t, bool)
+        number = is_number(t)
         if t is not None and not (number and math.isfinite(t) and t > 0):
             raise SpecforkError(f"request_timeout must be a number of seconds > 0, got {t!r}")
         m = self.max_mask_ms
-        if m is not None and not (number_type(m) and math.isfinite(m) and m > 0):
+        if m is not None and not (is_number(m) and math.isfinite(m) and m > 0):
             raise SpecforkError(f"max_mask_ms must be a number of milliseconds > 0, got {m!r}")
         i = self.stream_interval
-        if not (isinstance(i, int | float) and not isinstance(i, bool) and 0 <= i <= 10):
+        if not (is_number(i) and 0 <= i <= 10):
             raise SpecforkError(f"stream_interval must be in [0, 10] seconds, got {i!r}")
         for name in ("fixed_strategy", "allow_lossy"):
             if not isinstance(getattr(self, name), bool):

@@ -19,7 +19,7 @@ from specfork.drafters.model import ModelDrafter, parse_layers, step_weights
 from specfork.drafters.ngram import NgramDrafter
 from specfork.drafters.recycle_prior import PRIOR_CONTEXT, load_or_compute
 from specfork.errors import ConfigError, ModelFormatError
-from specfork.loading.registry import cache_dir
+from specfork.host import cache_dir
 from specfork.strategies.dspark import DSparkPolicy
 from specfork.strategies.policies import DraftPolicy, make_policy
 from specfork.strategies.spork import SporkPolicy

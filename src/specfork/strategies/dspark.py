@@ -124,10 +124,8 @@ class DSparkPolicy:
         if info.target_logits is not None:
             top1, margin = block_signals(info.target_logits[: info.accepted + 1])
         ema = EMA_START if self.ema is None else self.ema
-        w_top1, w_margin, w_ema = self.spec.weights
-        scaled = min(self.spec.margin_scale * margin, 1.0)
-        value = (w_top1 * top1 + w_margin * scaled + w_ema * ema) / sum(self.spec.weights)
-        return Confidence(top1, margin, ema, value)
+        rule = StepConfidence(self.spec.weights, self.spec.margin_scale, ema, self.spec.low)
+        return Confidence(top1, margin, ema, rule.value(top1, margin))
 
     def schedule(self, c: float) -> int:
         """K for confidence c: linear from [low, high] onto [min_k, max_k], clamped."""

@@ -18,8 +18,14 @@ import functools
 import heapq
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import torch
+
+from specfork.drafters.base import Draft
 from specfork.models.cost import CostCurve
+from specfork.tree import depths
+from specfork.verify import Verdict
 
 PRIOR = 0.5  # acceptance assumed at a position not yet observed
 PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
@@ -162,8 +168,54 @@ def allocate(
     return kept
 
 
+class Gate(Protocol):
+    """What the engine asks of a request's gate; it never looks inside one. `costly`: a costly
+    drafter's network drafted the draft (its scores are that network's probabilities)."""
+
+    def depth_for(self, source: str, depth: int, draft_cost: float) -> int | None:
+        """How deep a costly drafter (`draft_cost` target forwards a token) should draft, at
+        most `depth`; None: no opinion (the policy's shape stands)."""
+        ...
+
+    def trim(self, proposed: Draft, costly: bool) -> Draft:
+        """What of a proposed draft to verify."""
+        ...
+
+    def values(self, draft: Draft, order: list[int]) -> list[float] | None:
+        """P(accepted) of the draft's nodes in `order`, as learned; None: no estimate."""
+        ...
+
+    def learn(self, proposed: Draft, draft: Draft, verdict: Verdict, costly: bool) -> None:
+        """Learn from a round: the proposal, the verified draft and the verdict."""
+        ...
+
+    def first_rate(self) -> float | None:
+        """The best first-node acceptance any chain of this request may have (None: this gate
+        does not rate chains), which a batch compares with what a node must be worth."""
+        ...
+
+
+class NoGate:
+    """Verify whatever is drafted (plain decoding, `goodput=false`)."""
+
+    def depth_for(self, source: str, depth: int, draft_cost: float) -> int | None:
+        return None
+
+    def trim(self, proposed: Draft, costly: bool) -> Draft:
+        return proposed
+
+    def values(self, draft: Draft, order: list[int]) -> list[float] | None:
+        return None
+
+    def learn(self, proposed: Draft, draft: Draft, verdict: Verdict, costly: bool) -> None:
+        return None
+
+    def first_rate(self) -> float | None:
+        return None
+
+
 class GoodputGate:
-    """Trims drafts to their best expected length for one request (see the module doc)."""
+    """Trims chains to their best expected length for one request (see the module doc)."""
 
     def __init__(self, cost: CostCurve) -> None:
         self.cost = cost
@@ -188,6 +240,44 @@ class GoodputGate:
     def observe(self, source: str, drafted: list[int], emitted: list[int]) -> None:
         if drafted:
             self.stats.observe(source, drafted, emitted)
+
+    # -- the Gate protocol ------------------------------------------------------------------
+    def depth_for(self, source: str, depth: int, draft_cost: float) -> int | None:
+        return self.length(source, depth, draft_cost) if depth > 0 else None
+
+    def trim(self, proposed: Draft, costly: bool) -> Draft:
+        """A costly network's chain by its calibrated scores (the drafting is paid), any other
+        draft by its source's per-position rates."""
+        if not len(proposed):
+            return proposed
+        if costly and not proposed.is_chain:
+            return proposed
+        if costly and proposed.scores is not None:
+            return proposed.head(self.trim_scored(proposed.scores.tolist()))
+        return proposed.head(self.length(proposed.source, len(proposed)))
+
+    def values(self, draft: Draft, order: list[int]) -> list[float] | None:
+        """A chain's nodes: the product of its source's rates up to each."""
+        if not draft.is_chain:
+            return None
+        out, p = [], 1.0
+        for a in self.stats.rates(draft.source, len(draft)):
+            p *= a
+            out.append(p)
+        return out
+
+    def learn(self, proposed: Draft, draft: Draft, verdict: Verdict, costly: bool) -> None:
+        """The source's rates from the whole proposal; a network's score calibration from its
+        scored chains."""
+        if not len(proposed):
+            return
+        drafted = proposed.tokens.tolist()
+        self.observe(proposed.source, drafted, verdict.tokens)
+        if proposed.is_chain and proposed.scores is not None and costly:
+            self.observe_scored(proposed.scores.tolist(), drafted, verdict.tokens)
+
+    def first_rate(self) -> float | None:
+        return self.stats.best_first_rate()
 
     def trim_scored(self, scores: list[float]) -> int:
         """How many leading tokens of an already drafted chain to verify, judged by the
@@ -258,3 +348,39 @@ class TreeGate:
             key = _node_key(score, depth)
             self.trials[key] = self.trials.get(key, 0.0) + 1
             self.hits[key] = self.hits.get(key, 0.0) + (node in on_path)
+
+    # -- the Gate protocol ------------------------------------------------------------------
+    def depth_for(self, source: str, depth: int, draft_cost: float) -> int | None:
+        return None
+
+    def trim(self, proposed: Draft, costly: bool) -> Draft:
+        """A scored draft's best nodes (unscored drafts are verified whole)."""
+        if not len(proposed) or proposed.scores is None:
+            return proposed
+        keep = self.keep(proposed.scores.tolist(), depths(proposed.tree).tolist())
+        return proposed.subset(torch.tensor(keep, dtype=torch.bool))
+
+    def values(self, draft: Draft, order: list[int]) -> list[float] | None:
+        if draft.scores is None:
+            return None
+        scores, node_depths = draft.scores.tolist(), depths(draft.tree).tolist()
+        return [self.probability(scores[i], node_depths[i]) for i in order]
+
+    def learn(self, proposed: Draft, draft: Draft, verdict: Verdict, costly: bool) -> None:
+        """Which verified nodes were on the accepted path, by score and depth."""
+        if draft.scores is None or not len(draft):
+            return
+        if draft.is_chain:
+            node_depths = list(range(1, len(draft) + 1))
+        else:
+            node_depths = depths(draft.tree).tolist()
+        self.observe(draft.scores.tolist(), node_depths, verdict.path)
+
+    def first_rate(self) -> float | None:
+        return None
+
+
+def new_gate(tree: bool, cost: CostCurve) -> Gate:
+    """A fresh gate for a request that drafts: a tree gate for tree strategies (SPORK), else a
+    chain gate."""
+    return TreeGate(cost) if tree else GoodputGate(cost)

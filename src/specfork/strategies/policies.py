@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from specfork.checks import is_int
 from specfork.config import POLICY_NAMES
 from specfork.drafters.base import DraftShape
 from specfork.errors import ConfigError
@@ -59,7 +60,7 @@ def check_policy(policy: object) -> None:
 
 
 def _check_k(k: int, name: str = "k") -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    if not is_int(k) or k < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {k}")
 
 

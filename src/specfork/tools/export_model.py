@@ -61,8 +61,9 @@ def prepare_out(out: Path, force: bool) -> None:
 
 def export_model(spec: ModelExport) -> Path:
     """Write `spec.model` as a Hugging Face folder at `spec.out`; returns the folder."""
+    from specfork.host import cache_dir
     from specfork.loading.loader import load_eager
-    from specfork.loading.registry import cache_dir, resolve_model
+    from specfork.loading.registry import resolve_model
 
     path = resolve_model(spec.model, progress=False)
     prepare_out(spec.out, spec.force)

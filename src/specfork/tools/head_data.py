@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specfork.checks import is_int
 from specfork.config import GenerationConfig, SamplingParams
 from specfork.errors import ConfigError
 from specfork.loading.loader import LoadedModel
@@ -81,7 +82,7 @@ class DataConfig:
 
 
 def _check_count(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
 

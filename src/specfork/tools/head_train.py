@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from specfork.atomic import write_text
+from specfork.checks import is_int
 from specfork.errors import ConfigError
 from specfork.heads.model import DraftHead, HeadConfig, save_head
 from specfork.loading.loader import LoadedModel
@@ -68,7 +69,7 @@ class TrainConfig:
         ints = ("steps", "window", "windows", "unroll", "draft_vocab", "checkpoint_every")
         for name in ints:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.window < self.unroll + 2:
             raise ConfigError(f"window must be at least unroll + 2 = {self.unroll + 2} tokens")

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from specfork.checks import is_number
 from specfork.errors import SpecforkError
 
 
@@ -68,4 +69,4 @@ def _thresholds(ax: Any, rounds: Sequence[Mapping[str, Any]]) -> None:
 
 
 def _number(x: Any) -> float:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
+    return float(x) if is_number(x) else math.nan
