@@ -119,3 +119,19 @@ def test_the_layer_check_finds_an_upward_import() -> None:
     graph = {"specfork.models.cost_cache": {"specfork.bench.machine"},
              "specfork.bench.machine": {"specfork.host"}}  # fmt: skip
     assert _upward_imports(graph) == ["specfork.models.cost_cache imports specfork.bench.machine"]
+
+
+def test_both_backends_declare_the_target_model_interface() -> None:
+    """`models.target.TargetModel` is what the rest of specfork uses of a model: the eager and
+    the kernels' model both have every member of it (methods, properties, attributes)."""
+    from specfork.models.base import DecoderLM
+    from specfork.models.fast import FastLM
+    from specfork.models.target import TargetModel
+
+    members = {n for n in vars(TargetModel) if not n.startswith("_") or n == "__call__"}
+    members |= set(TargetModel.__annotations__)
+    assert {"forward_capturing", "batch_invariant", "config", "thread_use"} <= members
+    for cls in (DecoderLM, FastLM):
+        annotated = set().union(*(getattr(c, "__annotations__", {}) for c in cls.__mro__))
+        missing = sorted(m for m in members if not hasattr(cls, m) and m not in annotated)
+        assert missing == [], f"{cls.__name__} lacks {missing}"

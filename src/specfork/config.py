@@ -126,6 +126,11 @@ class ModelConfig:
                "layer_types": tuple(d.get("layer_types", ()))}
         )  # fmt: skip
 
+    @property
+    def embedding_scale(self) -> float:
+        """What embedding rows are multiplied by: sqrt(hidden) for Gemma 3, else 1."""
+        return self.hidden_size**0.5 if self.arch == "gemma3" else 1.0
+
     def layer_type(self, index: int) -> str:
         """'full' or 'sliding' for layer `index`."""
         if self.layer_types:

@@ -49,13 +49,14 @@ from specfork.checks import is_int
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.constraint import Constraint
 from specfork.errors import ConfigError, PromptError
-from specfork.loading.loader import DTYPES, Model, resolve_dtype
+from specfork.loading.loader import DTYPES, resolve_dtype
+from specfork.models.target import TargetModel
 from specfork.threads import parse_threads
 
 # ------------------------------------------------------------------------ runners
 
 
-def hf_dtype(model: Model) -> torch.dtype:
+def hf_dtype(model: TargetModel) -> torch.dtype:
     """The float dtype transformers baselines run in: the model's, bf16/fp32 for GGUF blocks."""
     if model.precision == "gguf":
         return resolve_dtype("auto", model.device)

@@ -21,7 +21,7 @@ from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback, Ste
 from specfork.drafters.meter import CostMeter
 from specfork.heads.fast import KernelHead
 from specfork.heads.model import DraftHead
-from specfork.models.base import DecoderLM
+from specfork.models.target import TargetModel
 from specfork.sampling import draw, probabilities
 from specfork.tree import Tree
 
@@ -57,7 +57,7 @@ class HeadDrafter:
     def __init__(
         self,
         head: DraftHead | KernelHead,
-        model: DecoderLM,
+        model: TargetModel,
         name: str = "head",
         cost: float | None = None,
         meter: CostMeter | None = None,
@@ -82,7 +82,7 @@ class HeadDrafter:
         self.cached = 0  # positions in the head's cache (teacher forced)
 
     @staticmethod
-    def weights_cost(head: DraftHead | KernelHead, model: DecoderLM) -> float:
+    def weights_cost(head: DraftHead | KernelHead, model: TargetModel) -> float:
         """Target forwards one head step costs, by weights multiplied."""
         return head.weight_count / model.step_weights()
 

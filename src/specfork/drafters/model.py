@@ -1,6 +1,6 @@
 """Drafting with a model: a separate small model, or the target's own layers (self-draft).
 
-Both run a `DecoderLM` autoregressively with their own KV cache, kept in step with the
+Both run a model (`TargetModel`) autoregressively with their own KV cache, kept in step with the
 target's through rollbacks. The self-drafter runs a subset of the target's layers (early exit
 or layer skipping) through the same final norm and LM head — no copy of the weights.
 """
@@ -22,7 +22,7 @@ from specfork.drafters.base import (
     chain_draft,
 )
 from specfork.errors import ConfigError
-from specfork.models.base import DecoderLM
+from specfork.models.target import TargetModel
 from specfork.sampling import argmax, draw, probabilities
 from specfork.tree import Tree, TreeBuilder, path_to
 
@@ -32,7 +32,7 @@ class ModelDrafter:
 
     def __init__(
         self,
-        model: DecoderLM,
+        model: TargetModel,
         *,
         layers: Sequence[int] | None = None,
         name: str = "model",
@@ -214,8 +214,8 @@ class ModelDrafter:
             self.cache.truncate(min(self.cache.length, feedback.committed))
 
 
-def step_weights(model: DecoderLM, layers: Sequence[int] | None = None) -> int:
-    """Weights one token's forward multiplies by (see `DecoderLM.step_weights`)."""
+def step_weights(model: TargetModel, layers: Sequence[int] | None = None) -> int:
+    """Weights one token's forward multiplies by (see `TargetModel.step_weights`)."""
     return model.step_weights(layers)
 
 

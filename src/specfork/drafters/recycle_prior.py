@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from specfork.atomic import atomic_file
 from specfork.drafters.recycle import UNKNOWN
 from specfork.host import source_digest
-from specfork.models.base import DecoderLM
+from specfork.models.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def prior_file(folder: Path, source: Path, width: int) -> Path:
 
 @torch.inference_mode()
 def compute_prior(
-    model: DecoderLM, width: int, context: list[int], ids: int = PRIOR_IDS, chunk: int = CHUNK
+    model: TargetModel, width: int, context: list[int], ids: int = PRIOR_IDS, chunk: int = CHUNK
 ) -> torch.Tensor:
     """[V, width] int32: row v = the model's top-`width` next tokens after context + [v].
 
@@ -76,7 +76,7 @@ def compute_prior(
 
 
 def load_or_compute(
-    model: DecoderLM, width: int, context: list[int], source: Path | None, folder: Path
+    model: TargetModel, width: int, context: list[int], source: Path | None, folder: Path
 ) -> torch.Tensor:
     """The cached prior of `source`'s weights, else computed (and saved when possible)."""
     path = prior_file(folder, source, width) if source is not None and source.exists() else None

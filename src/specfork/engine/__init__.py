@@ -452,7 +452,7 @@ class Generator:
         del self._free_caches[keep:]
 
     def _check_exact(self, config: GenerationConfig) -> None:
-        if config.exact and not getattr(self.model, "batch_invariant", False):
+        if config.exact and not self.model.batch_invariant:
             raise ConfigError(
                 f"exact output needs batch-invariant steps, and this model runs on the "
                 f"{self.model.describe()} path, whose multi-row steps round differently from "

@@ -379,7 +379,7 @@ class Scheduler:
         prefill chunks), so its outputs stay those of a lone request."""
         left = self._prompt_left(running)
         chunk = self.generator.prefill_chunk
-        if getattr(self.model, "batch_invariant", False):
+        if self.model.batch_invariant:
             return min(left, chunk, budget)
         done = running.prefilled
         return min(left, chunk - done % chunk)
@@ -458,7 +458,7 @@ class Scheduler:
                 wanted.append([a + r for r in newest.tolist()])
             else:
                 wanted.append([b - 1])
-        if getattr(self.model, "batch_invariant", False):
+        if self.model.batch_invariant:
             flat = [r for rows in wanted for r in rows]
             logits = self.model.logits(hidden[flat])  # [R, V]
             return list(logits.split([len(rows) for rows in wanted]))

@@ -18,7 +18,8 @@ import torch
 from specfork.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftShape, Feedback
 from specfork.engine.request import Request
 from specfork.engine.stats import RoundRecord
-from specfork.models.base import DecoderLM, Segment
+from specfork.models.base import Segment
+from specfork.models.target import TargetModel
 from specfork.sampling import probabilities
 from specfork.strategies.policies import RoundInfo
 from specfork.tree import cache_indices, children, depths, tree_mask, tree_positions
@@ -41,7 +42,7 @@ class Planned:
     start: int
 
 
-def run_round(model: DecoderLM, req: Request) -> list[int]:
+def run_round(model: TargetModel, req: Request) -> list[int]:
     """One round of `req`; returns the tokens to emit (the accepted ones, then the target's)."""
     planned = plan_round(req)
     logits, hidden = verify_forward(model, req, planned.draft)  # [N + 1, V], [C, N + 1, D]
@@ -159,7 +160,7 @@ def by_network(drafter: Drafter, draft: Draft) -> bool:
 
 
 def verify_forward(
-    model: DecoderLM, req: Request, draft: Draft
+    model: TargetModel, req: Request, draft: Draft
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's logits [N + 1, V] at the root and every node, in one forward, and the
     outputs [C, N + 1, D] of the blocks the drafter asks for (None if it asks for none)."""

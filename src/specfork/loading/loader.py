@@ -26,6 +26,7 @@ from specfork.loading.registry import resolve_model
 from specfork.loading.tokenizer import Tokenizer
 from specfork.models import DecoderLM, build_model
 from specfork.models.fast import FastLM, fits_kernels
+from specfork.models.target import TargetModel
 from specfork.threads import apply_torch, parse_threads
 
 log = logging.getLogger(__name__)
@@ -34,14 +35,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: What `--dtype` accepts besides "auto": the torch dtypes, and "gguf" (a GGUF's own blocks).
 PRECISIONS = (*DTYPES, "gguf")
 AUTO_GGUF = ("auto", "gguf")  # the --dtype values that read a GGUF for the kernels
-Model = DecoderLM | FastLM
 
 
 @dataclass
 class LoadedModel:
     """A model ready to run, its tokenizer, and where it came from."""
 
-    model: Model
+    model: TargetModel
     tokenizer: Tokenizer
     path: Path
     load_seconds: float
@@ -186,7 +186,7 @@ def load_decoder(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
     kernels: bool | None = None,
-) -> Model:
+) -> TargetModel:
     """The model of a .gguf file or a checkpoint folder, without its tokenizer.
 
     On the kernels (see `load_model`) unless they are off or unavailable; else eager PyTorch.

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from specfork.models import cost_cache
 from specfork.models.cost import CostCurve
 from specfork.models.layers import Linear, PackedRows, RMSNorm, Rotary
 from specfork.threads import Threads, ThreadUse, apply_torch
+
+if TYPE_CHECKING:
+    from specfork.models.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +82,7 @@ class Steps:
         return ThreadUse(threads=torch.get_num_threads())
 
     def extend(
-        self,
+        self: TargetModel,
         ids: Sequence[int],
         cache: KVCache,
         *,
@@ -91,7 +94,7 @@ class Steps:
 
         Returns float32 logits of the last token [V], or of every token [T, V].
         """
-        dev = self.device  # type: ignore[attr-defined]
+        dev = self.device
         tokens = torch.tensor(ids, device=dev)  # [T]
         outs = []
         for i in range(0, len(ids), chunk):
@@ -103,7 +106,7 @@ class Steps:
         return self.logits(hidden)
 
     def extend_capturing(
-        self,
+        self: TargetModel,
         ids: Sequence[int],
         cache: KVCache,
         capture: Sequence[int],
@@ -113,12 +116,10 @@ class Steps:
         """Append a chain of tokens in one forward: logits [T, V] of every token ([1, V], the
         last, with `last_only`; [R, V] of the indices `rows` [R] when given) and the outputs
         [C, T, D] of the blocks in `capture` (None if empty)."""
-        dev = self.device  # type: ignore[attr-defined]
+        dev = self.device
         tokens = torch.tensor(ids, device=dev)  # [T]
         positions = torch.arange(cache.length, cache.length + len(ids), device=dev)  # [T]
-        hidden, captured = self.forward_capturing(  # type: ignore[attr-defined]
-            tokens[None], positions, cache, capture=capture
-        )
+        hidden, captured = self.forward_capturing(tokens[None], positions, cache, capture=capture)
         if rows is not None:
             return self.logits(hidden[0, rows]), captured  # [R, V]
         return self.logits(hidden[0, -1:] if last_only else hidden[0]), captured  # [1 or T, V]

@@ -9,8 +9,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from specfork.models.target import TargetModel
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -36,29 +40,29 @@ class CostCurve:
         return self.cost[-1] + slope * (r - self.rows[-1])
 
     @classmethod
-    def measure(cls, model: object, repeats: int = 7, context: int = 192) -> CostCurve:
+    def measure(cls, model: TargetModel, repeats: int = 7, context: int = 192) -> CostCurve:
         """Time forwards (with the LM head) of 1-32 rows after `context` cached tokens, as a
         decoding step sees them; the sizes interleaved in every repeat (so that a slow spell
         of the machine or a warming cache hits all sizes alike), medians after a warm-up."""
-        vocab = int(model.config.vocab_size)  # type: ignore[attr-defined]
-        device = model.device  # type: ignore[attr-defined]
-        limit = model.config.max_position  # type: ignore[attr-defined]
+        vocab = int(model.config.vocab_size)
+        device = model.device
+        limit = model.config.max_position
         context = max(0, min(context, limit - ROWS[-1] - 1))
-        cache = model.new_cache(context + ROWS[-1] + 1)  # type: ignore[attr-defined]
+        cache = model.new_cache(context + ROWS[-1] + 1)
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, vocab, (1, context + ROWS[-1]), generator=gen).to(device)
         runs: dict[int, list[float]] = {r: [] for r in ROWS}
         with torch.inference_mode():
             if context:
-                model(tokens[:, :context], torch.arange(context, device=device), cache)  # type: ignore[operator]
+                model(tokens[:, :context], torch.arange(context, device=device), cache)
             for _ in range(repeats + 1):
                 for r in ROWS:
                     cache.truncate(context)
                     rows = tokens[:, context : context + r]  # [1, R]
                     positions = torch.arange(context, context + r, device=device)  # [R]
                     t0 = time.perf_counter()
-                    hidden = model(rows, positions, cache)  # type: ignore[operator]
-                    model.logits(hidden[0])  # type: ignore[attr-defined]
+                    hidden = model(rows, positions, cache)
+                    model.logits(hidden[0])
                     if torch.device(device).type == "cuda":
                         torch.cuda.synchronize(device)
                     runs[r].append(time.perf_counter() - t0)
@@ -69,21 +73,21 @@ class CostCurve:
         return cls(ROWS, tuple(cost))
 
 
-def one_row_seconds(model: object, context: int = 64, repeats: int = 5) -> float:
+def one_row_seconds(model: TargetModel, context: int = 64, repeats: int = 5) -> float:
     """Seconds of one decoding step of `model` (a one-row forward and its logits after
     `context` cached tokens), the median of `repeats` runs after a warm-up: the unit in which
     a drafter's measured cost is expressed."""
-    cache = model.new_cache(context + 2)  # type: ignore[attr-defined]
-    device = model.device  # type: ignore[attr-defined]
+    cache = model.new_cache(context + 2)
+    device = model.device
     with torch.inference_mode():
         prompt = torch.zeros(1, context, dtype=torch.long, device=device)  # [1, C]
-        model(prompt, torch.arange(context, device=device), cache)  # type: ignore[operator]
+        model(prompt, torch.arange(context, device=device), cache)
         token = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
         position = torch.tensor([context], device=device)  # [1]
 
         def step() -> None:
-            hidden = model(token, position, cache)  # type: ignore[operator]
-            model.logits(hidden[0])  # type: ignore[attr-defined]
+            hidden = model(token, position, cache)
+            model.logits(hidden[0])
             if torch.device(device).type == "cuda":
                 torch.cuda.synchronize(device)
 

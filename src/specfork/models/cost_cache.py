@@ -16,6 +16,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,21 +24,24 @@ from specfork.atomic import atomic_file
 from specfork.host import cpu_name, source_digest
 from specfork.models.cost import ROWS, CostCurve
 
+if TYPE_CHECKING:
+    from specfork.models.target import TargetModel
+
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the measurement changes
 MAX_AGE_DAYS = 7
 
 
-def curve_file(model: object, source: Path, folder: Path) -> Path:
+def curve_file(model: TargetModel, source: Path, folder: Path) -> Path:
     """Where the curve of `model` (loaded from `source`) on this machine is stored."""
-    device = model.device  # type: ignore[attr-defined]
+    device = model.device
     identity = (
-        model.describe(),  # type: ignore[attr-defined]
-        model.dtype,  # type: ignore[attr-defined]
+        model.describe(),
+        model.dtype,
         _kernels_build(model),
         _device_name(device),
-        model.thread_use().threads,  # type: ignore[attr-defined]
+        model.thread_use().threads,
         torch.__version__,
         ROWS,
         FORMAT,
@@ -45,21 +49,21 @@ def curve_file(model: object, source: Path, folder: Path) -> Path:
     return folder / f"{source.stem}-cost-{source_digest(source, *identity)}.json"
 
 
-def _kernels_build(model: object) -> str:
+def _kernels_build(model: TargetModel) -> str:
     """The compiled kernels' module name (it carries a digest of their sources); '' without."""
     return getattr(getattr(model, "kernels", None), "__name__", "")
 
 
-def load_or_measure(model: object, source: Path | None, folder: Path) -> CostCurve:
+def load_or_measure(model: TargetModel, source: Path | None, folder: Path) -> CostCurve:
     """The stored curve when one is fresh, else a new measurement (stored when it can be)."""
     path = curve_file(model, source, folder) if source is not None and source.exists() else None
     if path is not None:
         stored = _read(path)
         if stored is not None:
             return stored
-    threads_before = model.thread_use()  # type: ignore[attr-defined]
+    threads_before = model.thread_use()
     curve = CostCurve.measure(model)
-    threads = model.thread_use().since(threads_before)  # type: ignore[attr-defined]
+    threads = model.thread_use().since(threads_before)
     fewer = threads.reduced >= threads.NOTABLE  # the pool backed off: not the key's count
     if fewer:
         log.warning("the cost curve was measured on fewer threads while other jobs kept the "

@@ -53,6 +53,7 @@ class FastLM(Steps):
         self._weights = weights  # weights per layer and of the LM head (for step_weights)
         self._adaptive = False  # whether the kernels' pool backs off while the cores are busy
 
+    precision: str  # gguf, bfloat16 or float32
     #: a row's logits never depend on the other rows of its forward (csrc/common.h)
     batch_invariant = True
     #: the kernels run on their own thread pool, from whichever thread calls them
@@ -182,12 +183,6 @@ class FastLM(Steps):
         blocks = range(self.config.num_layers) if layers is None else layers
         return sum(self._weights["layer"] for _ in blocks) + self._weights["head"]
 
-    def eval(self) -> FastLM:
-        return self
-
-    def requires_grad_(self, _: bool = False) -> FastLM:
-        return self
-
     # -- building -------------------------------------------------------------------------------
     @classmethod
     def from_layers(
@@ -203,10 +198,9 @@ class FastLM(Steps):
     ) -> FastLM:
         """Assemble packed weights (kernels.Packed objects) into a model."""
         scalar = cfg.query_pre_attn_scalar or cfg.head_dim
-        embed_scale = cfg.hidden_size**0.5 if cfg.arch == "gemma3" else 1.0
         core = kernels.FastModel(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, cfg.rms_eps, cfg.hidden_act == "gelu_tanh", embed_scale,
+            cfg.intermediate_size, cfg.rms_eps, cfg.hidden_act == "gelu_tanh", cfg.embedding_scale,
             cfg.sliding_window or -1, scalar**-0.5, cfg.final_logit_softcapping or 0.0,
         )  # fmt: skip
         inv_freq, scaling = rope_inv_freq(cfg.rope, cfg.head_dim)

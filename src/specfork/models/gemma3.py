@@ -54,4 +54,4 @@ class Gemma3LM(DecoderLM):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(tokens)  # [B, T, D]
-        return h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
+        return h * torch.tensor(self.config.embedding_scale, dtype=h.dtype)
