@@ -278,6 +278,35 @@ def test_match_rates_and_medians_from_measurements() -> None:
     assert [r["greedy_match"] for r in strict] == ["exact", "differs"]
 
 
+def test_round_efficiency_and_where_the_time_goes() -> None:
+    """Efficiency: the run's forwards at plain decoding's step cost on the same prompt (its
+    decode time over its forwards) over the run's decode time; shares of decode time by phase,
+    the rest as "other"."""
+    prompts = _prompts(1, ("dog",))
+    plain = RunOutput(token_ids=[1] * 11, new_tokens=11, decode_tokens_per_second=10.0,
+                      time_to_first_token=0.1, target_forwards=10, decode_seconds=1.0,
+                      phase_seconds={"forward": 0.8}, plain_steps=10.0)  # fmt: skip
+    spec = RunOutput(token_ids=[1] * 11, new_tokens=11, decode_tokens_per_second=12.5,
+                     time_to_first_token=0.1, target_forwards=4, decode_seconds=0.8,
+                     phase_seconds={"draft": 0.2, "forward": 0.4, "learn": 0.04},
+                     plain_steps=6.0)  # fmt: skip
+    ms = [Measurement(0, "ar", 0, 0, "dog", 0, True, output=plain),
+          Measurement(1, "spec", 0, 0, "dog", 0, True, output=spec)]  # fmt: skip
+    rows = {r["strategy"]: r for r in per_prompt_figures(ms, ["ar", "spec"], prompts)}
+    assert rows["ar"]["round_efficiency"] == pytest.approx(1.0)
+    assert rows["spec"]["round_efficiency"] == pytest.approx(6 * 0.1 / 0.8)  # 0.75
+    assert rows["spec"]["forward_share"] == pytest.approx(0.5)
+    assert rows["spec"]["share_draft"] == pytest.approx(0.25)
+    assert rows["spec"]["share_other"] == pytest.approx(0.2)
+    assert rows["ar"]["share_draft"] == 0.0 and rows["ar"]["share_other"] == pytest.approx(0.2)
+    summary = summarize(list(rows.values()), ["ar", "spec"], ["dog"])
+    assert summary["spec"]["overall"]["round_efficiency"] == pytest.approx(0.75)
+    no_split = RunOutput(token_ids=[1], new_tokens=1, decode_tokens_per_second=1.0,
+                         time_to_first_token=0.1)  # another engine: no phases  # fmt: skip
+    other = Measurement(2, "hf", 0, 0, "dog", 0, True, output=no_split)
+    assert other.figure("forward_share") is None and other.figure("share_other") is None
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -360,13 +389,22 @@ def test_bench_end_to_end(tiny_folder: Path, tmp_path: Path, capsys) -> None:
     overall = doc["summary"]["ar"]["overall"]
     assert overall["speedup"] == 1.0 and overall["greedy_match_rate"] == 1.0
     assert overall["target_forwards_per_token"] > 0 and overall["wasted_drafts_per_token"] == 0
+    assert overall["round_efficiency"] == pytest.approx(1.0)  # plain decoding against itself
+    for label in labels[:3]:  # specfork's strategies: the split of their decode time
+        cell = doc["summary"][label]["overall"]
+        assert 0 < cell["forward_share"] <= 1 and cell["round_efficiency"] > 0
+        shares = [cell[f"share_{p}"] for p in ("draft", "prepare", "forward", "accept",
+                                                "commit", "learn", "other")]  # fmt: skip
+        assert sum(shares) == pytest.approx(1.0, abs=0.05)
+    assert doc["summary"]["hf:ar"]["overall"]["forward_share"] is None
     for label in labels:
         cell = doc["summary"][label]["overall"]
         assert cell["prompts"] == 2 and cell["failed"] == 0 and cell["speedup"] > 0
         assert cell["greedy_match_rate"] is not None  # n/a only when sampling
     assert doc["summary"]["hf:ar"]["overall"]["acceptance_rate"] is None  # n/a for transformers
     report = (out / "report.md").read_text()
-    assert "## Overall" in report
+    assert "## Overall" in report and "## Where decode time goes" in report
+    assert "round efficiency" in report and "where decode time goes" in stdout
     if not HAVE_MATPLOTLIB:
         assert any("matplotlib is not installed" in n for n in doc["notes"])
         return

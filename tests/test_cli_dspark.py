@@ -8,6 +8,7 @@ import pytest
 
 from cli_run import run_cli as _run
 from specfork.cli import main
+from specfork.engine.stats import PHASES
 
 PROMPT = "Repeat exactly: one two three, one two three, one two three."
 DSPARK_FIELDS = {
@@ -15,6 +16,7 @@ DSPARK_FIELDS = {
     *("top1", "margin", "ema", "confidence", "next_k", "first_rejection_rate"),
     "proposed",  # the draft before the goodput gate shortened it
     *("low", "high", "min_k"),  # the policy's settings, for plots
+    "ms",  # milliseconds of each phase of the round
 }
 
 
@@ -66,6 +68,7 @@ def test_dspark_trace_schema(dspark_trace: Path) -> None:
         assert 0 <= r["accepted"] <= r["drafted"] <= r["proposed"] <= r["k"]
         assert 0 <= r["confidence"] <= 1 and 0 < r["top1"] <= 1 and 0 <= r["margin"] <= 1
         assert r["first_rejected"] == (r["drafted"] > 0 and r["accepted"] == 0)
+        assert set(r["ms"]) <= set(PHASES) and r["ms"]["forward"] > 0
         if r["first_rejected"]:
             assert r["next_k"] == 2
     for prev, cur in itertools.pairwise(records):

@@ -63,7 +63,8 @@ def test_trace_file_schema_and_stats(capsys, tmp_path: Path) -> None:
     assert records and [r["round"] for r in records] == list(range(len(records)))
     for r in records:
         keys = {"round", "position", "k", "drafted", "accepted", "emitted", "first_rejected"}
-        assert set(r) == {*keys, "proposed"}  # proposed: the draft before the goodput gate
+        assert set(r) == {*keys, "proposed", "ms"}  # proposed: the draft before the gate
+        assert r["ms"]["forward"] > 0 and min(r["ms"].values()) >= 0  # ms: time per phase
         assert r["first_rejected"] == (r["drafted"] > 0 and r["accepted"] == 0)
         assert 0 <= r["accepted"] <= r["drafted"] <= r["proposed"] <= r["k"] <= 3
         assert r["emitted"] == r["accepted"] + 1

@@ -652,3 +652,24 @@ def test_a_caller_between_deltas_is_not_left_in_inference_mode(smollm_f32) -> No
     w = torch.ones(2, requires_grad=True)
     (w * 2).sum().backward()
     assert w.grad is not None
+
+
+def test_a_rounds_time_is_split_by_phase(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every round's phases are timed (GenerationStats.PHASES), the trace records carry their
+    milliseconds, and the shares of the decode time add up to one with "other"."""
+    from specfork.engine.stats import PHASES
+
+    loaded = load_model(str(tiny_chat_llama(tmp_path_factory.mktemp("tiny-phases"))),
+                        progress=False)  # fmt: skip
+    spec = SpecConfig("spork", "recycle+ngram")
+    result = Generator(loaded, spec=spec).generate(
+        "1 2 3 1 2 3 1 2 3", config=GenerationConfig(max_new_tokens=16, ignore_eos=True)
+    )
+    stats = result.stats
+    assert set(stats.phase_seconds) == set(PHASES)
+    shares = stats.phase_shares()
+    assert set(shares) == {*PHASES, "other"} and sum(shares.values()) == pytest.approx(1.0)
+    assert stats.phase_seconds["forward"] <= stats.verify_seconds + 1e-9
+    for record in stats.rounds:
+        assert set(record.extra["ms"]) <= set(PHASES) and record.extra["ms"]["forward"] > 0
+    assert "phase_shares" in stats.to_dict()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specfork.bench.prompts import BenchPrompt
+from specfork.engine.stats import PHASES
 
 OVERALL = "overall"
 
@@ -20,12 +21,17 @@ FIGURES: tuple[tuple[str, str, str], ...] = (
     ("time_to_first_token", "TTFT (s)", "{:.3f}"),
     ("target_forwards_per_token", "target fwd/token", "{:.2f}"),
     ("wasted_drafts_per_token", "wasted drafts/token", "{:.2f}"),
+    ("round_efficiency", "round efficiency", "{:.2f}"),
+    ("forward_share", "in forwards", "{:.0%}"),
     ("valid_rate", "output valid", "{:.0%}"),  # constrained runs: the output parses
     ("greedy_match_rate", "greedy match", "{:.0%}"),
     ("exact_match_rate", "exact match", "{:.0%}"),
     ("target_logprob", "target log p/token", "{:.3f}"),
     ("peak_rss_mb", "peak RSS (MB)", "{:.0f}"),
 )
+
+#: the shares of decode time in each phase of a round (engine/stats.py PHASES) and the rest
+SHARES = tuple(f"share_{p}" for p in (*PHASES, "other"))
 
 PER_RUN = (
     "decode_tokens_per_second",
@@ -34,6 +40,8 @@ PER_RUN = (
     "time_to_first_token",
     "target_forwards_per_token",
     "wasted_drafts_per_token",
+    "forward_share",
+    *SHARES,
 )
 
 
@@ -57,6 +65,9 @@ class RunOutput:
     finish_reason: str | None = None
     text: str | None = None  # the output as text, from runners that get no token ids (openai:)
     valid: bool | None = None  # a constrained run: the output is complete and parses
+    decode_seconds: float | None = None  # specfork: first token to the end
+    phase_seconds: dict[str, float] | None = None  # specfork: of the decode time, by phase
+    plain_steps: float | None = None  # Σ over rounds of c(rows): its forwards in one-row steps
 
 
 @dataclass
@@ -156,7 +167,19 @@ class Measurement:
             if o.drafted is None or o.accepted is None:
                 return None
             return (o.drafted - o.accepted) / n
+        if key == "forward_share" or key in SHARES:
+            return self._share("forward" if key == "forward_share" else key.removeprefix("share_"))
         raise KeyError(key)
+
+    def _share(self, phase: str) -> float | None:
+        """A phase's share of the run's decode time ("other": what no phase took)."""
+        o = self.output
+        if o is None or not o.decode_seconds or o.phase_seconds is None:
+            return None
+        phases = o.phase_seconds
+        if phase == "other":
+            return max(0.0, 1.0 - sum(phases.get(p, 0.0) for p in PHASES) / o.decode_seconds)
+        return phases.get(phase, 0.0) / o.decode_seconds
 
     def to_dict(self) -> dict[str, Any]:
         o = self.output
@@ -180,6 +203,9 @@ class Measurement:
                 accepted=o.accepted,
                 accepted_by_position=o.accepted_by_position,
                 drafted_by_position=o.drafted_by_position,
+                decode_seconds=o.decode_seconds,
+                phase_seconds=o.phase_seconds,
+                plain_steps=o.plain_steps,
                 **{k: self.figure(k) for k in PER_RUN},
                 token_ids=o.token_ids,
                 rounds=o.rounds,

@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from specfork.bench.records import FIGURES, OVERALL
+from specfork.bench.records import FIGURES, OVERALL, SHARES
 from specfork.checks import is_number
 from specfork.errors import ConfigError
 
@@ -45,8 +45,9 @@ PLOT_FILES = {
     "dspark": "dspark_trace.png",
     "forks": "fork_wins.png",
 }
-_FORMATS = {key: fmt for key, _, fmt in FIGURES}
-_TITLES = {key: title for key, title, _ in FIGURES}
+_FORMATS = {key: fmt for key, _, fmt in FIGURES} | {key: "{:.0%}" for key in SHARES}
+_TITLES = {key: title for key, title, _ in FIGURES} | {k: k.removeprefix("share_") for k in SHARES}
+_TIME_TITLE = "where decode time goes (median share of decode time, by phase of a round)"
 _BY_CATEGORY = (
     "speedup",
     "decode_tokens_per_second",
@@ -123,6 +124,8 @@ def print_tables(doc: Mapping[str, Any], console: Console) -> None:
         (f"overall speed (medians; speedup over {doc['reference']})", _SPEED, summary),
         ("overall drafting and greedy match (medians)", drafting, summary),
     ]
+    if _has_shares(doc):
+        tables.append((_TIME_TITLE, SHARES, summary))
     for turn, by_turn in turn_summaries(doc):
         keys = (*_SPEED[:2], "mean_accepted_length", "greedy_match_rate")
         tables.append((f"turn {turn} (medians; speedup over {doc['reference']} on turn {turn})",
@@ -245,6 +248,9 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
     overall = "## Overall (every turn)" if turn_summaries(doc) else "## Overall"
     lines += [overall, "", _overall_table(doc, doc["summary"]), ""]
     lines += _category_tables(doc, doc["summary"], cats, "")
+    if _has_shares(doc):
+        lines += [f"## {_TIME_TITLE[0].upper()}{_TIME_TITLE[1:]}", "", _TIME_TEXT, "",
+                  _shares_table(doc), ""]  # fmt: skip
     for turn, by_turn in turn_summaries(doc):
         lines += [f"## Turn {turn}", "", _overall_table(doc, by_turn), ""]
         lines += _category_tables(doc, by_turn, cats, f"turn {turn}: ", ("speedup",))
@@ -259,6 +265,34 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
     path = out / REPORT_FILE
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
+
+
+_TIME_TEXT = (
+    "draft: the policy's shape, the drafters and the goodput gate; prepare: trims, grammar "
+    "masks, the rows, tree mask and positions; forward: the target's forward and logits; "
+    "accept: the verification rule; commit: the KV cache and the drafters' feedback; learn: "
+    "gate, policy, statistics; other: stop checks, detokenizing, the loop. Round efficiency "
+    "(overall table): what the run's forwards would cost as plain decoding's steps on the same "
+    "prompt (c(rows) steps each, by the measured cost curve), over its decode time."
+)
+
+
+def _has_shares(doc: Mapping[str, Any]) -> bool:
+    """Whether any strategy has the phase split (specfork's do; other engines do not)."""
+    return any(
+        cell.get("share_forward") is not None
+        for by_cat in doc["summary"].values()
+        for cell in by_cat.values()
+    )
+
+
+def _shares_table(doc: Mapping[str, Any]) -> str:
+    summary = doc["summary"]
+    return md_table(
+        ["strategy", *(_TITLES[k] for k in SHARES)],
+        [[s["label"], *(fmt_cell(k, summary[s["label"]][OVERALL]) for k in SHARES)]
+         for s in _rows(doc)],
+    )  # fmt: skip
 
 
 def _turns_text(doc: Mapping[str, Any]) -> str:

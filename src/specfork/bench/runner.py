@@ -98,10 +98,20 @@ def specfork_runner(
             accepted_by_position=list(s.accepted_by_position),
             drafted_by_position=list(s.drafted_by_position),
             rounds=[round_dict(r) for r in s.rounds], finish_reason=res.finish_reason,
-            valid=valid,
+            valid=valid, decode_seconds=s.decode_seconds, phase_seconds=dict(s.phase_seconds),
+            plain_steps=plain_steps(generator, [r.drafted + 1 for r in s.rounds]),
         )  # fmt: skip
 
     return run
+
+
+def plain_steps(generator: Any, rows: list[int]) -> float:
+    """What forwards of `rows` rows each cost in one-row steps, by the model's measured cost
+    curve (read only when some forward had more than one row: plain decoding measures none)."""
+    if all(r == 1 for r in rows):
+        return float(len(rows))
+    curve = generator.cost_curve()
+    return sum(curve(r) for r in rows)
 
 
 # ------------------------------------------------------------------------ the run

@@ -56,6 +56,7 @@ def per_prompt_figures(
     for p in prompts:
         ref_ok = [m for m in by_key.get((reference, p.index, p.turn), []) if m.ok and m.output]
         ref_tps = _median([m.figure("decode_tokens_per_second") for m in ref_ok])
+        ref_step = _median([_step_seconds(m) for m in ref_ok])
         ref_ids = min(ref_ok, key=lambda m: m.repeat).output.token_ids if ref_ok else None  # type: ignore[union-attr]
         gaps: dict[int, float] = {}
 
@@ -77,6 +78,7 @@ def per_prompt_figures(
                 row[key] = _median([m.figure(key) for m in ok])
             tps = row["decode_tokens_per_second"]
             row["speedup"] = tps / ref_tps if tps is not None and ref_tps else None
+            row["round_efficiency"] = _efficiency(ok, ref_step)
             peaks = [m.peak_rss_mb for m in ms if m.peak_rss_mb is not None]
             row["peak_rss_mb"] = max(peaks) if peaks else None
             row["valid_rate"] = _mean([m.output.valid for m in ok])  # type: ignore[union-attr]
@@ -115,7 +117,7 @@ def summarize(
         for cat in [*categories, OVERALL]:
             sel = [r for r in rows if r["strategy"] == label and cat in (r["category"], OVERALL)]
             cell: dict[str, Any] = {"prompts": len(sel), "failed": sum(r["failed"] for r in sel)}
-            for key in (*PER_RUN, "speedup", "target_logprob"):
+            for key in (*PER_RUN, "speedup", "round_efficiency", "target_logprob"):
                 cell[key] = _median([r.get(key) for r in sel])
             judged = [r["greedy_match"] for r in sel if r["greedy_match"] is not None]
             cell["greedy_match_rate"] = (
@@ -131,6 +133,28 @@ def summarize(
             cell["peak_rss_mb"] = max(peaks) if peaks else None
             out[label][cat] = cell
     return out
+
+
+def _step_seconds(m: Measurement) -> float | None:
+    """Seconds of one decoding step of a plain run: its decode time over its forwards."""
+    o = m.output
+    if o is None or not o.decode_seconds or not o.target_forwards:
+        return None
+    return o.decode_seconds / o.target_forwards
+
+
+def _efficiency(runs: Sequence[Measurement], step: float | None) -> float | None:
+    """Round efficiency of a strategy's runs on a prompt: the time their forwards would take at
+    plain decoding's step cost on that prompt (`step` seconds a one-row step, c(rows) steps a
+    forward by the cost curve) over their decode time (medians over the repeats). 1 for plain
+    decoding; below 1 where drafting, trees, acceptance, bookkeeping or forwards dearer than
+    the curve says cost time."""
+    outs = [m.output for m in runs if m.output is not None]
+    steps = _median([o.plain_steps for o in outs])
+    seconds = _median([o.decode_seconds for o in outs])
+    if step is None or steps is None or not seconds:
+        return None
+    return steps * step / seconds
 
 
 def turns_of(rows: Sequence[Mapping[str, Any]]) -> list[int]:

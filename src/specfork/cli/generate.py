@@ -232,6 +232,8 @@ def _report(args: argparse.Namespace, stats: GenerationStats, err: Console) -> N
     if args.stats:
         for key, value in stats.to_dict().items():
             shown = f"{value:.4g}" if isinstance(value, float) else value
+            if isinstance(value, dict) and all(isinstance(v, float) for v in value.values()):
+                shown = ", ".join(f"{k} {v:.3g}" for k, v in value.items())
             err.print(f"  {key}: {shown}", markup=False, highlight=False)
     if args.trace is not None:
         try:

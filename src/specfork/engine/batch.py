@@ -402,8 +402,10 @@ class Scheduler:
         t0 = time.perf_counter()
         hidden, captured = self.model.forward_batch(work.segments, capture)  # [T, D]
         spent = time.perf_counter() - t0
-        for running, _ in work.rounds:
+        for running, _ in work.rounds:  # each waited for the whole forward
             running.req.stats.verify_seconds += spent
+            phases = running.req.stats.phase_seconds
+            phases["forward"] = phases.get("forward", 0.0) + spent
         return hidden, captured, capture
 
     def _postprocess(

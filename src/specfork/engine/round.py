@@ -43,10 +43,17 @@ class Planned:
 
 
 def run_round(model: TargetModel, req: Request) -> list[int]:
-    """One round of `req`; returns the tokens to emit (the accepted ones, then the target's)."""
+    """One round of `req`; returns the tokens to emit (the accepted ones, then the target's).
+    Its record in the trace gets the milliseconds of each phase (`ms`)."""
+    before = dict(req.stats.phase_seconds)
     planned = plan_round(req)
     logits, hidden = verify_forward(model, req, planned.draft)  # [N + 1, V], [C, N + 1, D]
-    return finish_round(req, planned, logits, hidden)
+    tokens = finish_round(req, planned, logits, hidden)
+    after = req.stats.phase_seconds
+    req.stats.rounds[-1].extra["ms"] = {
+        p: round(1000 * (t - before.get(p, 0.0)), 3) for p, t in after.items()
+    }
+    return tokens
 
 
 def plan_round(
@@ -57,11 +64,13 @@ def plan_round(
     """Propose (or take `propose`'s result), keep at most `trim` nodes when a batch's budget
     says so, and let the grammar cut what it forbids."""
     shape, proposed, draft = proposal or propose(req)
+    t0 = time.perf_counter()
     if trim is not None and len(draft) > trim:
         draft = trimmed(draft, trim)
     allowed = None
     if req.grammar is not None:  # drafts the grammar rules out are cut; masks per row
         draft, allowed = req.grammar.constrain(draft)  # [N + 1, V] bool
+    req.stats.spend("prepare", t0)
     return Planned(shape, proposed, draft, allowed, req.cache.length)
 
 
@@ -70,12 +79,16 @@ def finish_round(
 ) -> list[int]:
     """Accept, commit and learn from the target's logits [N + 1, V] (and captured hidden
     states [C, N + 1, D]) at the planned draft's rows; the tokens to emit."""
-    draft, allowed = planned.draft, planned.allowed
+    draft, allowed, stats = planned.draft, planned.allowed, req.stats
+    t0 = time.perf_counter()
     verdict = accept(req, draft, logits if allowed is None else constrained(logits, allowed))
     tokens = verdict.tokens if req.grammar is None else req.grammar.advance(verdict.tokens)
     req.note_logprobs(logits, [0, *(1 + n for n in verdict.path)], verdict.tokens)
+    t0 = stats.spend("accept", t0)
     commit(req, draft, verdict, planned.start, logits, hidden)
+    t0 = stats.spend("commit", t0)
     learn(req, planned.shape, planned.proposed, draft, verdict, logits)
+    stats.spend("learn", t0)
     return tokens
 
 
@@ -120,11 +133,15 @@ def propose(req: Request) -> tuple[DraftShape, Draft, Draft]:
     gate keeps of it (shape, proposed, draft)."""
     if req.drafter is None or req.policy is None:
         return NO_SHAPE, EMPTY_DRAFT, EMPTY_DRAFT
+    t0 = time.perf_counter()
     shape = fit_shape(req, req.policy.next_shape(req.generated))
     if shape.depth < 1 or shape.max_nodes < 1:
+        req.stats.spend("draft", t0)
         return shape, EMPTY_DRAFT, EMPTY_DRAFT
     proposed = req.drafter.propose(req.history, shape, req.sampling, req.rng)
-    return shape, proposed, gated(req, proposed)
+    draft = gated(req, proposed)
+    req.stats.spend("draft", t0)
+    return shape, proposed, draft
 
 
 def fit_shape(req: Request, shape: DraftShape) -> DraftShape:
@@ -164,24 +181,28 @@ def verify_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's logits [N + 1, V] at the root and every node, in one forward, and the
     outputs [C, N + 1, D] of the blocks the drafter asks for (None if it asks for none)."""
-    t0 = time.perf_counter()
+    stats = req.stats
+    began = time.perf_counter()
     rows = [req.history[-1], *draft.tokens.tolist()]  # the root, then the nodes
     capture = req.drafter.hidden_layers if req.drafter is not None else ()
     captured = None
     if draft.is_chain and not capture:
+        t0 = stats.spend("prepare", began)
         logits = model.extend(rows, req.cache, last_only=False)
     elif draft.is_chain:
+        t0 = stats.spend("prepare", began)
         logits, captured = model.extend_capturing(rows, req.cache, capture)
     else:
         start = req.cache.length
         inputs = torch.tensor(rows, device=model.device)  # [N + 1]
         mask = tree_mask(draft.tree).to(model.device)  # [N + 1, N + 1]
         positions = tree_positions(draft.tree, start).to(model.device)  # [N + 1]
+        t0 = stats.spend("prepare", began)
         hidden, captured = model.forward_capturing(
             inputs[None], positions, req.cache, mask=mask, capture=capture
         )  # [1, N + 1, D], [C, N + 1, D] or None
         logits = model.logits(hidden[0])  # [N + 1, V]
-    req.stats.verify_seconds += time.perf_counter() - t0
+    stats.verify_seconds += stats.spend("forward", t0) - began
     return logits, captured
 
 

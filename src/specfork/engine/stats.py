@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
 from specfork.threads import ThreadReport
@@ -24,6 +25,15 @@ class RoundRecord:
         out = asdict(self)
         out.update(out.pop("extra"))
         return out
+
+
+#: Where a decoding round's time goes (`GenerationStats.phase_seconds`): drafting (the policy's
+#: shape, the drafters, the goodput gate), preparing the verification (trims, grammar masks, the
+#: rows, the tree mask and positions), the target's forward (and its logits), accepting (the
+#: verification rule, log-probabilities, the grammar), committing (the KV cache, the drafters'
+#: feedback) and learning (gate, policy, statistics). "other" is the rest of the decode time:
+#: stop checks, detokenizing, the loop itself (and, batched, the other requests' work).
+PHASES = ("draft", "prepare", "forward", "accept", "commit", "learn")
 
 
 @dataclass(slots=True)
@@ -53,6 +63,7 @@ class GenerationStats:
     time_to_first_token: float = 0.0
     decode_seconds: float = 0.0
     threads: ThreadReport | None = None  # the threads it ran on; whether the cores were busy
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # of the decode time: PHASES
 
     @property
     def acceptance_rate(self) -> float:
@@ -81,6 +92,20 @@ class GenerationStats:
     @property
     def prefill_tokens_per_second(self) -> float:
         return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    def spend(self, phase: str, since: float) -> float:
+        """Count the time since `since` (a perf_counter reading) towards `phase`; now."""
+        now = time.perf_counter()
+        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + (now - since)
+        return now
+
+    def phase_shares(self) -> dict[str, float]:
+        """Each phase's share of the decode time, and "other" (the rest); {} before decoding."""
+        if self.decode_seconds <= 0:
+            return {}
+        shares = {p: self.phase_seconds.get(p, 0.0) / self.decode_seconds for p in PHASES}
+        shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+        return shares
 
     def record_round(self, drafted: int, accepted: int, depth: int | None = None) -> None:
         """Count one verification round with `drafted` proposals of which `accepted` held.
@@ -111,6 +136,7 @@ class GenerationStats:
             mean_accepted_length=self.mean_accepted_length,
             decode_tokens_per_second=self.decode_tokens_per_second,
             prefill_tokens_per_second=self.prefill_tokens_per_second,
+            phase_shares=self.phase_shares(),
         )
         return out
 
