@@ -55,6 +55,21 @@ def test_keep_with_explicit_start():
     assert cache.k[0, 0, 0, 3:5, 0].tolist() == [5, 7]
 
 
+def test_keep_moves_only_what_is_out_of_place_and_checks_bounds():
+    cache = KVCache(1, 1, 4, 16)
+    _fill(cache, 10)
+    cache.keep([3, 4, 5, 8, 9], start=3)  # 3..5 in place already; 8, 9 move down
+    assert cache.length == 8
+    assert cache.k[0, 0, 0, :8, 0].tolist() == [0, 1, 2, 3, 4, 5, 8, 9]
+    assert cache.positions[:8].tolist() == [0, 1, 2, 3, 4, 5, 8, 9]
+    cache.keep([2, 3], start=2)  # all in place: only the length moves
+    assert cache.length == 4 and cache.k[0, 0, 0, :4, 0].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="outside length"):
+        cache.keep([3, 4], start=3)
+    with pytest.raises(ValueError, match="at least one slot"):
+        cache.keep([])
+
+
 def test_capacity_error_names_the_problem():
     cache = KVCache(1, 1, 4, 8)
     _fill(cache, 6)

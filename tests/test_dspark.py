@@ -44,6 +44,15 @@ def test_block_signals_are_mean_top1_and_margin() -> None:
     assert margin == pytest.approx((0.85 + 0.2) / 2, abs=1e-5)
 
 
+@pytest.mark.parametrize("spread", [0.1, 3.0, 40.0])
+def test_block_signals_agree_with_a_full_softmax(spread: float) -> None:
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(7)) * spread
+    top = logits.softmax(-1).topk(2, dim=-1).values  # [4, 2]
+    top1, margin = block_signals(logits)
+    assert top1 == pytest.approx(float(top[:, 0].mean()), abs=1e-5)
+    assert margin == pytest.approx(float((top[:, 0] - top[:, 1]).mean()), abs=1e-5)
+
+
 def test_confidence_uses_only_the_verified_rows() -> None:
     """Rows after the first rejection were conditioned on a rejected token: not used."""
     pol = _policy()

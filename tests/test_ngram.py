@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specfork.config import SamplingParams
 from specfork.drafters.base import Draft, DraftShape, Feedback
@@ -122,3 +124,30 @@ def test_valid_ngram_sizes():
     drafter = NgramDrafter(max_ngram=4, min_ngram=4)
     assert (drafter.max_ngram, drafter.min_ngram) == (4, 4)
     assert drafter.name == "ngram"
+
+
+def _reference(history: list[int], depth: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The rule by brute force: the longest suffix n-gram's latest earlier occurrence with a
+    successor, and what followed it."""
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+        starts = [s for s in range(len(history) - n) if history[s : s + n] == history[-n:]]
+        if starts:
+            return history[starts[-1] + n : starts[-1] + n + depth]
+    return []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=6), min_size=1, max_size=12),
+    st.integers(1, 3),
+    st.integers(1, 2),
+)
+def test_a_growing_history_proposes_what_a_fresh_scan_finds(chunks, max_ngram, min_gap) -> None:
+    """The drafter's index follows a history growing round by round (and a history that does
+    not continue it, like another conversation's) and proposes what scanning all of it does."""
+    min_ngram = max(1, max_ngram - min_gap)
+    drafter = NgramDrafter(max_ngram, min_ngram).begin([])
+    history: list[int] = []
+    for i, chunk in enumerate(chunks):
+        history = [*history, *chunk] if i % 5 != 4 else list(chunk)  # every fifth: a new one
+        assert propose(drafter, history, budget=4) == _reference(history, 4, max_ngram, min_ngram)

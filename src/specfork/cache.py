@@ -83,19 +83,23 @@ class KVCache:
         """Copy the slots `indices` (ascending) into contiguous slots from `start` on.
 
         `start` defaults to the first index. Slots after the kept ones are dropped. Used to
-        compact an accepted tree path: its nodes are scattered among rejected siblings.
+        compact an accepted tree path: its nodes are scattered among rejected siblings. Only
+        the slots not already in place are copied (an accepted first child often is).
         """
-        idx = torch.as_tensor(indices, dtype=torch.long, device=self.k.device)  # [N]
-        if len(idx) == 0:
+        kept = torch.as_tensor(indices, dtype=torch.long).tolist()  # [N]
+        if len(kept) == 0:
             raise ValueError("keep() needs at least one slot; use truncate(n) to drop slots")
-        first = int(idx[0]) if start is None else start
-        if len(idx) and (int(idx.max()) >= self.length or first > int(idx.min())):
-            raise ValueError(f"keep({idx.tolist()}, start={first}) outside length {self.length}")
-        dest = slice(first, first + len(idx))
-        self.k[:, :, :, dest] = self.k[:, :, :, idx]
-        self.v[:, :, :, dest] = self.v[:, :, :, idx]
-        self.positions[dest] = self.positions[idx]
-        self.length = first + len(idx)
+        first = kept[0] if start is None else start
+        if max(kept) >= self.length or first > min(kept):
+            raise ValueError(f"keep({kept}, start={first}) outside length {self.length}")
+        moved = next((i for i, slot in enumerate(kept) if slot != first + i), len(kept))
+        if moved < len(kept):  # ascending slots: every later one moves too
+            idx = torch.tensor(kept[moved:], device=self.k.device)  # [M]
+            dest = slice(first + moved, first + len(kept))
+            self.k[:, :, :, dest] = self.k[:, :, :, idx]
+            self.v[:, :, :, dest] = self.v[:, :, :, idx]
+            self.positions[dest] = self.positions[idx]
+        self.length = first + len(kept)
 
     def reset(self) -> None:
         self.length = 0

@@ -16,6 +16,7 @@ import heapq
 import torch
 
 from specfork.drafters.base import newest_rows
+from specfork.kernels.logit_rows import top_k_ids
 from specfork.tree import Tree, TreeBuilder
 
 UNKNOWN = -1  # table entry: no candidate recorded
@@ -73,13 +74,12 @@ class RecycleTable:
             )
         if tokens.numel() == 0:
             return
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
-            raise ValueError(
-                f"token ids must be in 0..{self.vocab_size - 1}, got {tokens.tolist()}"
-            )
-        top = logits.topk(self.width, dim=-1).indices.to(self.table.device)  # [T, W]
+        ids = tokens.tolist()
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"token ids must be in 0..{self.vocab_size - 1}, got {ids}")
         # index_put with repeated indices has no defined winner: keep each token's last row
         last = newest_rows(tokens)  # [U]
+        top = top_k_ids(logits, self.width).to(self.table.device)  # [T, W]
         self.table[tokens[last]] = top[last].to(torch.int32)  # [U, W]
 
     def candidates(self, token: int, k: int | None = None) -> list[int]:

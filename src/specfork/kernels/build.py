@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "common.cpp", "pool.cpp", "gemm.cpp", "gemm_avx2.cpp", "attention.cpp", "rowops.cpp",
-    "head.cpp", "model.cpp",
+    "logit_rows.cpp", "head.cpp", "model.cpp",
 )  # fmt: skip
 CFLAGS = ("-O3", "-fno-math-errno")
 LDFLAGS: tuple[str, ...] = ()  # the kernels run on their own threads (csrc/pool.h), not OpenMP
@@ -86,6 +86,12 @@ def module_name(key: str) -> str:
 def load_kernels() -> ModuleType | None:
     """The compiled kernels (built on first use), or None where they cannot run."""
     return kernel_status()[0]
+
+
+def loaded_kernels() -> ModuleType | None:
+    """The kernels if this process has loaded them already (a model runs on them), else None:
+    never starts a build (helpers that merely run faster on the kernels ask this)."""
+    return kernel_status()[0] if kernel_status.cache_info().currsize else None
 
 
 @functools.cache

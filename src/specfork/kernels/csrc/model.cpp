@@ -20,6 +20,7 @@
 #include "head.h"
 #include "packed.h"
 #include "rowops.h"
+#include "logit_rows.h"
 
 namespace sf {
 
@@ -440,6 +441,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   sf::bind_head(m);
   m.def("packed_linear", &sf::packed_linear, py::call_guard<py::gil_scoped_release>());
   m.def("unpack", &sf::unpack);
+  m.def("top_k_ids", &sf::top_k_ids, py::arg("x"), py::arg("k"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("logsumexp_rows", &sf::logsumexp_rows, py::call_guard<py::gil_scoped_release>());
   m.def("isa", []() { return std::string(sf::isa_name()); });
   m.def("threads", &sf::pool_threads);
   m.def("active_threads", &sf::pool_active);

@@ -1,0 +1,17 @@
+// Reductions over rows of logits that a decoding round needs besides the argmax: the k best
+// ids (Token Recycling's table) and the log of the softmax's normaliser (DSpark's confidence).
+#pragma once
+#include <torch/extension.h>
+
+namespace sf {
+
+// x [R, V] float32 → int64 [R, k]: each row's k largest entries' indices, largest first, an
+// earlier index first among equal values (NaN never chosen; -1 where a row has fewer than k
+// other values). 1 <= k <= V.
+torch::Tensor top_k_ids(torch::Tensor x, int64_t k);
+
+// x [R, V] float32 → float32 [R]: log Σ_j exp(x[r, j]), computed as max + log Σ exp(x − max)
+// in one fixed order per row (the same value whatever the rows or threads).
+torch::Tensor logsumexp_rows(torch::Tensor x);
+
+}  // namespace sf

@@ -1,0 +1,42 @@
+"""Reductions over logits rows on the kernels where a model has loaded them, PyTorch elsewhere:
+the k best ids (Token Recycling's table) and log-sum-exp (DSpark's confidence)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from specfork.kernels.build import loaded_kernels
+
+
+def _kernels_for(logits: torch.Tensor) -> ModuleType | None:
+    """The loaded kernels when they take these logits (CPU float32 [R, V]), else None."""
+    kernels = loaded_kernels()
+    plain = logits.device.type == "cpu" and logits.dtype == torch.float32
+    if kernels is None or not plain or logits.dim() != 2 or logits.requires_grad:
+        return None
+    return kernels
+
+
+def top_k_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[R, k] int64: the indices of each row's k largest logits [R, V], largest first.
+
+    On the kernels one pass a row (a few µs for V = 49,152, where `torch.topk` took ~60 µs;
+    an earlier index first among equal values); otherwise `torch.topk` (whose order among
+    equal values is its own)."""
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"k must be in 1..{logits.shape[-1]}, got {k}")
+    kernels = _kernels_for(logits)
+    return logits.topk(k, dim=-1).indices if kernels is None else kernels.top_k_ids(logits, k)
+
+
+def logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """[R] float32: log Σ exp of each row of logits [R, V] (the log of softmax's normaliser).
+
+    On the kernels two vectorised passes a row (~6 µs for V = 49,152, where
+    `torch.logsumexp` took 20-50 µs); otherwise `torch.logsumexp`."""
+    kernels = _kernels_for(logits)
+    if kernels is None or logits.shape[-1] == 0:
+        return torch.logsumexp(logits.float(), dim=-1)
+    return kernels.logsumexp_rows(logits)
