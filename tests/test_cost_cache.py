@@ -19,7 +19,7 @@ from specfork.config import GenerationConfig, SpecConfig
 from specfork.engine import Generator
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.models import cost_cache
-from specfork.models.cost import ROWS
+from specfork.models.cost import ROWS, CostCurve
 from specfork.threads import Threads, ThreadUse
 from tiny_models import tiny_chat_llama
 
@@ -36,6 +36,25 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 def _edit(path: Path) -> None:
     path.write_text(json.dumps({"rows": list(ROWS), "cost": EDITED}))
+
+
+def test_the_far_curve_is_stored_and_read_back(tmp_path) -> None:
+    near, far = tuple(1.0 + i / 10 for i in range(len(ROWS))), EDITED
+    curve = CostCurve(ROWS, near, 192, CostCurve(ROWS, tuple(far), 1024), 1.7)
+    path = tmp_path / "curve.json"
+    cost_cache._write(curve, path)
+    assert cost_cache._read(path) == curve
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "far_context": 100}))  # not beyond the near context
+    assert cost_cache._read(path) is None
+
+
+def test_a_long_enough_model_gets_a_far_curve(tiny: LoadedModel) -> None:
+    curve = CostCurve.measure(tiny.model, repeats=1, context=16, far_context=128)
+    assert curve.context == 16 and curve.far is not None and curve.far.context == 128
+    assert curve.far_step > 0 and curve.at(128).cost == pytest.approx(curve.far.cost)
+    short = CostCurve.measure(tiny.model, repeats=1, context=16, far_context=10**6)
+    assert short.far is None  # beyond the model's positions: no far measurement
 
 
 def test_a_stored_curve_is_read_back_instead_of_measured(tiny: LoadedModel, tmp_path) -> None:

@@ -38,6 +38,38 @@ def test_cost_curve_interpolates_and_extrapolates() -> None:
     assert curve(0) == 1.0
 
 
+def _far_curve() -> CostCurve:
+    """Near (context 192): 8 rows cost 1.2 steps; far (context 1216): every row a whole step's
+    attention, and one row there is twice the near one."""
+    rows = (1, 2, 4, 8)
+    far = CostCurve(rows, (1.0, 2.0, 4.0, 8.0), 1216)
+    return CostCurve(rows, (1.0, 1.05, 1.1, 1.2), 192, far, 2.0)
+
+
+def test_a_curve_moves_with_the_context_between_its_two_measurements() -> None:
+    curve = _far_curve()
+    assert curve.at(100) is curve and curve.at(192) is curve
+    assert CostCurve((1, 2), (1.0, 1.1)).at(5000)(2) == 1.1  # no far curve: context-blind
+    far = curve.at(1216)
+    assert far.context == 1216 and far(8) == pytest.approx(8.0)  # the far measurement itself
+    mid = curve.at(704)  # halfway: 8 rows take (1.2 + 16) / 2 near steps, one row (1 + 2) / 2
+    assert mid(8) == pytest.approx((1.2 + 16.0) / 2 / 1.5)
+    beyond = curve.at(4000)  # past the far measurement: times keep growing linearly
+    assert beyond(8) > far(8) and beyond(1) == 1.0
+    assert curve.at(750) is curve.at(760)  # contexts in steps of 64 share one curve
+
+
+def test_the_gate_verifies_fewer_rows_at_a_long_context() -> None:
+    gate = GoodputGate(_far_curve())
+    for _ in range(20):
+        gate.observe("s", [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9])  # three of seven accepted
+    assert gate.length("s", 7) >= 3
+    gate.at_context(4000)
+    assert gate.length("s", 7) == 0  # every row a step: speculation cannot pay
+    gate.at_context(192)
+    assert gate.length("s", 7) >= 3
+
+
 def test_best_length() -> None:
     assert best_length([0.9] * 8, FLAT) == 8  # free rows: draft everything
     assert best_length([0.05] * 8, CostCurve((1, 2), (1.0, 1.1))) == 0  # 1.05 tokens for 1.1

@@ -99,19 +99,22 @@ def specfork_runner(
             drafted_by_position=list(s.drafted_by_position),
             rounds=[round_dict(r) for r in s.rounds], finish_reason=res.finish_reason,
             valid=valid, decode_seconds=s.decode_seconds, phase_seconds=dict(s.phase_seconds),
-            plain_steps=plain_steps(generator, [r.drafted + 1 for r in s.rounds]),
+            plain_steps=plain_steps(
+                generator, [(r.drafted + 1, s.prompt_tokens + r.position) for r in s.rounds]
+            ),
         )  # fmt: skip
 
     return run
 
 
-def plain_steps(generator: Any, rows: list[int]) -> float:
-    """What forwards of `rows` rows each cost in one-row steps, by the model's measured cost
-    curve (read only when some forward had more than one row: plain decoding measures none)."""
-    if all(r == 1 for r in rows):
-        return float(len(rows))
+def plain_steps(generator: Any, forwards: list[tuple[int, int]]) -> float:
+    """What forwards of (rows, cached tokens) cost in one-row steps at their contexts, by the
+    model's measured cost curve (read only when some forward had more than one row: plain
+    decoding measures none)."""
+    if all(rows == 1 for rows, _ in forwards):
+        return float(len(forwards))
     curve = generator.cost_curve()
-    return sum(curve(r) for r in rows)
+    return sum(curve.at(context)(rows) for rows, context in forwards)
 
 
 # ------------------------------------------------------------------------ the run

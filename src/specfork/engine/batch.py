@@ -47,6 +47,7 @@ from specfork.engine.round import (
 )
 from specfork.errors import ConfigError, ConstraintError
 from specfork.models.base import Segment
+from specfork.models.cost import CostCurve
 from specfork.strategies.goodput import (
     EXPLORE_EVERY,
     PRIOR,
@@ -300,8 +301,14 @@ class Scheduler:
         if not self.config.goodput or budget < 1 or not gated:
             return 0.0
         fixed = len(decoding) + prefill
-        curve = self.generator.cost_curve()
+        curve = self._curve(decoding)
         return least_paying_value(len(decoding), fixed, curve, max(0, budget - prefill), prefill)
+
+    def _curve(self, decoding: list[Running]) -> CostCurve:
+        """The cost curve at the decoding requests' mean context (each row attends to its own
+        request's cache; the mean prices the step's extra rows)."""
+        mean = sum(r.req.cache.length for r in decoding) // max(1, len(decoding))
+        return self.generator.cost_curve().at(mean)
 
     @staticmethod
     def _propose(running: Running, floor: float) -> tuple[DraftShape, Draft, Draft]:
@@ -330,7 +337,7 @@ class Scheduler:
             values = [self._values(decoding[i].req, drafts[i]) for i in gated]
             rows = roots + prefill + sum(len(drafts[i]) for i in whole)
             tokens = sum(sum(self._values(decoding[i].req, drafts[i])) for i in whole)
-            curve = self.generator.cost_curve()
+            curve = self._curve(decoding)
             trimmed = allocate(values, rows, curve, tokens + len(whole), sunk_rows=prefill)
             for i, k in zip(gated, trimmed, strict=True):
                 kept[i] = k

@@ -134,6 +134,7 @@ def propose(req: Request) -> tuple[DraftShape, Draft, Draft]:
     if req.drafter is None or req.policy is None:
         return NO_SHAPE, EMPTY_DRAFT, EMPTY_DRAFT
     t0 = time.perf_counter()
+    req.gate.at_context(req.cache.length)  # rows cost more at a longer context
     shape = fit_shape(req, req.policy.next_shape(req.generated))
     if shape.depth < 1 or shape.max_nodes < 1:
         req.stats.spend("draft", t0)

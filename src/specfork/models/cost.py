@@ -5,6 +5,7 @@ The goodput gate (`specfork.strategies.goodput`) weighs extra verification rows 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -19,12 +20,27 @@ if TYPE_CHECKING:
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
+NEAR_CONTEXT = 192  # cached tokens a curve is measured after (a short chat's context)
+FAR_CONTEXT = 1024  # ... and again after so many, where the model allows: rows' attention
+FAR_REPEATS = 3
+
+
 @dataclass(frozen=True)
 class CostCurve:
-    """Cost of a forward by number of rows, relative to one row (linear between points)."""
+    """Cost of a forward by number of rows, relative to one row (linear between points),
+    measured after `context` cached tokens.
+
+    `far` is the same curve measured after more cached tokens (`far.context`) and `far_step`
+    the one-row forward there over the one-row forward here. Attention makes a forward's time
+    grow linearly with the context, by more for more rows, so `at(tokens)` prices rows at a
+    request's own context (a forward's time interpolated between the two measurements, or
+    extrapolated past the far one); without `far` the curve is the same at every context."""
 
     rows: tuple[int, ...]
     cost: tuple[float, ...]
+    context: int = 0
+    far: CostCurve | None = None
+    far_step: float = 1.0
 
     def __call__(self, r: int) -> float:
         if r <= self.rows[0]:
@@ -39,38 +55,80 @@ class CostCurve:
         slope = (self.cost[-1] - self.cost[-2]) / (self.rows[-1] - self.rows[-2])
         return self.cost[-1] + slope * (r - self.rows[-1])
 
+    def at(self, tokens: int) -> CostCurve:
+        """The curve for forwards after `tokens` cached tokens (itself without `far` or up to
+        its own context); contexts are taken in steps of 64 tokens."""
+        if self.far is None or tokens <= self.context:
+            return self
+        return _curve_at(self, tokens // 64 * 64)
+
     @classmethod
-    def measure(cls, model: TargetModel, repeats: int = 7, context: int = 192) -> CostCurve:
+    def measure(
+        cls,
+        model: TargetModel,
+        repeats: int = 7,
+        context: int = NEAR_CONTEXT,
+        far_context: int = FAR_CONTEXT,
+    ) -> CostCurve:
         """Time forwards (with the LM head) of 1-32 rows after `context` cached tokens, as a
-        decoding step sees them; the sizes interleaved in every repeat (so that a slow spell
-        of the machine or a warming cache hits all sizes alike), medians after a warm-up."""
-        vocab = int(model.config.vocab_size)
-        device = model.device
-        limit = model.config.max_position
-        context = max(0, min(context, limit - ROWS[-1] - 1))
-        cache = model.new_cache(context + ROWS[-1] + 1)
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, vocab, (1, context + ROWS[-1]), generator=gen).to(device)
-        runs: dict[int, list[float]] = {r: [] for r in ROWS}
-        with torch.inference_mode():
-            if context:
-                model(tokens[:, :context], torch.arange(context, device=device), cache)
-            for _ in range(repeats + 1):
-                for r in ROWS:
-                    cache.truncate(context)
-                    rows = tokens[:, context : context + r]  # [1, R]
-                    positions = torch.arange(context, context + r, device=device)  # [R]
-                    t0 = time.perf_counter()
-                    hidden = model(rows, positions, cache)
-                    model.logits(hidden[0])
-                    if torch.device(device).type == "cuda":
-                        torch.cuda.synchronize(device)
-                    runs[r].append(time.perf_counter() - t0)
-        times = [statistics.median(runs[r][1:]) for r in ROWS]
-        cost = [max(1.0, t / times[0]) for t in times]
-        for i in range(1, len(cost)):  # more rows never cost less (noise)
-            cost[i] = max(cost[i], cost[i - 1])
-        return cls(ROWS, tuple(cost))
+        decoding step sees them, and again after `far_context` (fewer repeats) where the model
+        is long enough; the sizes interleaved in every repeat (so that a slow spell of the
+        machine or a warming cache hits all sizes alike), medians after a warm-up."""
+        limit = model.config.max_position - ROWS[-1] - 1
+        context = max(0, min(context, limit))
+        near = _forward_seconds(model, context, repeats)
+        curve = cls(ROWS, _relative(near), context)
+        if far_context > 2 * max(context, 1) and far_context <= limit:
+            far = _forward_seconds(model, far_context, FAR_REPEATS)
+            step = far[0] / near[0]
+            curve = cls(ROWS, curve.cost, context, cls(ROWS, _relative(far), far_context), step)
+        return curve
+
+
+@functools.lru_cache(maxsize=256)
+def _curve_at(curve: CostCurve, tokens: int) -> CostCurve:
+    """`curve` at `tokens` cached tokens: each size's time (in one-row forwards of the near
+    measurement) moves linearly from the near to the far measurement with the context."""
+    far = curve.far
+    assert far is not None
+    w = (tokens - curve.context) / (far.context - curve.context)
+    pairs = zip(curve.rows, curve.cost, strict=True)
+    times = [c + (curve.far_step * far(r) - c) * w for r, c in pairs]
+    return CostCurve(curve.rows, _relative([max(t, 1e-9) for t in times]), tokens)
+
+
+def _relative(times: list[float]) -> tuple[float, ...]:
+    """Times by size as multiples of the first, at least 1 and never falling with more rows."""
+    cost = [max(1.0, t / times[0]) for t in times]
+    for i in range(1, len(cost)):  # more rows never cost less (noise)
+        cost[i] = max(cost[i], cost[i - 1])
+    return tuple(cost)
+
+
+def _forward_seconds(model: TargetModel, context: int, repeats: int) -> list[float]:
+    """Median seconds of a forward (and its logits) of each size in ROWS after `context`
+    cached tokens of random ids."""
+    vocab = int(model.config.vocab_size)
+    device = model.device
+    cache = model.new_cache(context + ROWS[-1] + 1)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (1, context + ROWS[-1]), generator=gen).to(device)
+    runs: dict[int, list[float]] = {r: [] for r in ROWS}
+    with torch.inference_mode():
+        if context:
+            model(tokens[:, :context], torch.arange(context, device=device), cache)
+        for _ in range(repeats + 1):
+            for r in ROWS:
+                cache.truncate(context)
+                rows = tokens[:, context : context + r]  # [1, R]
+                positions = torch.arange(context, context + r, device=device)  # [R]
+                t0 = time.perf_counter()
+                hidden = model(rows, positions, cache)
+                model.logits(hidden[0])
+                if torch.device(device).type == "cuda":
+                    torch.cuda.synchronize(device)
+                runs[r].append(time.perf_counter() - t0)
+    return [statistics.median(runs[r][1:]) for r in ROWS]
 
 
 def one_row_seconds(model: TargetModel, context: int = 64, repeats: int = 5) -> float:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when the measurement changes
+FORMAT = 2  # bump when the measurement changes (2: a far context's curve too)
 MAX_AGE_DAYS = 7
 
 
@@ -78,23 +78,39 @@ def _read(path: Path) -> CostCurve | None:
         if time.time() - path.stat().st_mtime > MAX_AGE_DAYS * 86400:
             return None
         data = json.loads(path.read_text())
-        rows, cost = tuple(data["rows"]), tuple(float(c) for c in data["cost"])
+        near = _curve(data["rows"], data["cost"], data.get("context", 0))
+        far = None if data.get("far") is None else _curve(ROWS, data["far"], data["far_context"])
+        step = float(data.get("far_step", 1.0))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("measuring the cost curve again: %s is unreadable (%s)", path, exc)
         return None
-    if rows != ROWS or len(cost) != len(rows) or not all(c >= 1.0 for c in cost):
+    if near is None or (far is not None and not (far.context > near.context and step > 0)):
         log.warning("measuring the cost curve again: %s holds another curve", path)
         return None
-    return CostCurve(rows, cost)
+    return CostCurve(near.rows, near.cost, near.context, far, step if far else 1.0)
+
+
+def _curve(rows: list, cost: list, context: object) -> CostCurve | None:
+    """A stored curve's sizes, costs and context, if they are this version's sizes and sane."""
+    rows_t, cost_t = tuple(rows), tuple(float(c) for c in cost)
+    if rows_t != ROWS or len(cost_t) != len(rows_t) or not all(c >= 1.0 for c in cost_t):
+        return None
+    if not isinstance(context, int) or context < 0:
+        return None
+    return CostCurve(rows_t, cost_t, context)
 
 
 def _write(curve: CostCurve, path: Path) -> None:
     """Write atomically; a failure only logs a warning (the curve is measured next time)."""
+    data = {"rows": curve.rows, "cost": curve.cost, "context": curve.context}
+    if curve.far is not None:
+        data |= {"far": curve.far.cost, "far_context": curve.far.context,
+                 "far_step": curve.far_step}  # fmt: skip
     try:
         with atomic_file(path) as tmp:
-            tmp.write_text(json.dumps({"rows": curve.rows, "cost": curve.cost}))
+            tmp.write_text(json.dumps(data))
     except OSError as exc:
         log.warning("cannot store the cost curve in %s (%s)", path.parent, exc)
 

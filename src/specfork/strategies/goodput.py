@@ -194,6 +194,10 @@ class Gate(Protocol):
         does not rate chains), which a batch compares with what a node must be worth."""
         ...
 
+    def at_context(self, tokens: int) -> None:
+        """The request's cache holds `tokens` tokens: price verification rows there."""
+        ...
+
 
 class NoGate:
     """Verify whatever is drafted (plain decoding, `goodput=false`)."""
@@ -213,11 +217,15 @@ class NoGate:
     def first_rate(self) -> float | None:
         return None
 
+    def at_context(self, tokens: int) -> None:
+        return None
+
 
 class GoodputGate:
     """Trims chains to their best expected length for one request (see the module doc)."""
 
     def __init__(self, cost: CostCurve) -> None:
+        self.curve = cost  # measured; `cost` is it at the request's context (`at_context`)
         self.cost = cost
         self.stats = AcceptanceStats()
         self.scored = TreeGate(cost)  # P(accepted) by prior score, for drafts that carry one
@@ -279,6 +287,10 @@ class GoodputGate:
     def first_rate(self) -> float | None:
         return self.stats.best_first_rate()
 
+    def at_context(self, tokens: int) -> None:
+        self.cost = self.curve.at(tokens)
+        self.scored.at_context(tokens)
+
     def trim_scored(self, scores: list[float]) -> int:
         """How many leading tokens of an already drafted chain to verify, judged by the
         drafter's own prior scores (non-increasing: a trained head's cumulative q) as
@@ -314,6 +326,7 @@ class TreeGate:
     """
 
     def __init__(self, cost: CostCurve) -> None:
+        self.curve = cost  # measured; `cost` is it at the request's context (`at_context`)
         self.cost = cost
         self.hits: dict[tuple[int, int], float] = {}
         self.trials: dict[tuple[int, int], float] = {}
@@ -378,6 +391,9 @@ class TreeGate:
 
     def first_rate(self) -> float | None:
         return None
+
+    def at_context(self, tokens: int) -> None:
+        self.cost = self.curve.at(tokens)
 
 
 def new_gate(tree: bool, cost: CostCurve) -> Gate:
