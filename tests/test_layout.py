@@ -81,7 +81,7 @@ def test_the_circle_finder_finds_circles() -> None:
 #: a module imports only from its own package and from those before it. The package's own
 #: `__init__` (the public API, which re-exports from the top) stands above them all.
 LAYERS = (
-    "errors", "checks", "extras", "host", "atomic", "threads", "constraint", "config",
+    "errors", "checks", "extras", "host", "atomic", "threads", "constraint", "catalog", "config",
     "spec_schema", "tree", "sampling", "cache", "verify", "kernels", "models", "loading", "heads",
     "drafters", "strategies", "engine", "tools", "server", "bench", "cli",
 )  # fmt: skip

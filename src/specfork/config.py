@@ -7,8 +7,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
+from specfork.catalog.kinds import (
+    CHAIN_DRAFTERS,
+    STRATEGY_NAMES,
+    TREE_SOURCES,
+    StrategyKind,
+    strategy_kind,
+)
+from specfork.catalog.sources import DraftSource, parse_drafter
 from specfork.checks import is_int, is_number
 from specfork.constraint import Constraint
 from specfork.errors import ConfigError
@@ -229,20 +237,15 @@ class GenerationConfig:
             raise ConfigError(f"stop token ids must be integers >= 0, got {self.stop_token_ids!r}")
 
 
-def _is_path_source(source: str) -> bool:
-    """`head`, `head:PATH` (a trained draft head) or `model:PATH` (a draft model)."""
-    return source == "head" or source.startswith(("head:", "model:"))
-
-
 def _is_number(x: object) -> bool:
     return is_number(x) and math.isfinite(x)
 
 
-STRATEGIES = ("ar", "speculative", "dspark", "spork")
+STRATEGIES = STRATEGY_NAMES  # ar, speculative, dspark, spork (catalog.kinds)
 TREE_SHAPES = ("forks", "dynamic")
-SPORK_SOURCES = ("recycle", "ngram", "self", "head[:PATH]", "model:PATH")
+SPORK_SOURCES = TREE_SOURCES  # recycle, ngram, self, head[:PATH], model:PATH
 POLICY_NAMES = ("constant", "heuristic", "linear-decay")
-DRAFTERS = ("ngram", "self", "head[:PATH]", "model:PATH")
+DRAFTERS = CHAIN_DRAFTERS  # ngram, self, head[:PATH], model:PATH
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,20 +254,22 @@ class SpecConfig:
 
     strategy "ar" is plain decoding. "speculative" drafts with `drafter`: "ngram" (prompt
     lookup), "self" (the target's own layers: `self_layers` for early exit, e.g. "0-11", or
-    `skip_layers`), or "model:PATH" (a separate draft model sharing the target's vocabulary).
-    `k` is the draft length (the maximum for linear-decay); `k_policy` the draft-length policy.
+    `skip_layers`), "head[:PATH]" (a trained draft head) or "model:PATH" (a separate draft
+    model sharing the target's vocabulary), or several joined by "+" (asked in order; the
+    first draft wins); `sources` is the drafter parsed (`catalog.sources`). `k` is the draft
+    length (the maximum for linear-decay); `k_policy` the draft-length policy.
 
     "dspark" drafts with the same drafters but re-chooses K every round from a confidence
     C = (w_top1·top1 + w_margin·min(margin_scale·margin, 1) + w_ema·EMA) / Σw, mapped linearly
     from [low, high] onto [min_k, max_k] (see `specfork.strategies.dspark`).
 
     "spork" drafts a tree and verifies it in one pass (see `specfork.strategies.spork`):
-    `drafter` is one or more sources joined by "+" ("recycle", "ngram", "self", "model:PATH");
-    `tree` "forks"
-    is `forks` forks × `depth` tokens, "dynamic" the `budget` best nodes up to `depth` deep;
-    nodes whose prior score is below `tau` are not verified; forks, depth and tau adapt toward
-    `target_acceptance` when `adapt`. `lossy_typical` swaps exact verification for Medusa's
-    typical acceptance (LOSSY: the output may differ from plain decoding).
+    `drafter` is one or more sources joined by "+" ("recycle", "ngram", "self", "head[:PATH]",
+    "model:PATH"); `tree` "forks" is `forks` forks × `depth` tokens, "dynamic" the `budget`
+    best nodes up to `depth` deep; nodes whose prior score is below `tau` are not verified;
+    forks, depth and tau adapt toward `target_acceptance` when `adapt`. `lossy_typical` swaps
+    exact verification for Medusa's typical acceptance (LOSSY: the output may differ from
+    plain decoding).
 
     `goodput` (chains: speculative and dspark) verifies only as much of each draft as its
     source's acceptance so far says will pay for the extra rows (see
@@ -303,13 +308,14 @@ class SpecConfig:
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
     goodput: bool = True  # chains: verify only the part of a draft expected to pay (goodput.py)
+    # `drafter` parsed once in __post_init__ (`sources`): not an option, not compared or hashed
+    _sources: tuple[DraftSource, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(
-                f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}"
-            )
-        self._check_drafter()
+        kind = strategy_kind(self.strategy)
+        if self.drafter is None:
+            object.__setattr__(self, "drafter", kind.default_drafter)
+        object.__setattr__(self, "_sources", parse_drafter(self.drafter, kind))
         if not is_int(self.k) or self.k < 1:
             raise ConfigError(f"k (draft length) must be an integer >= 1, got {self.k!r}")
         if self.k_policy not in POLICY_NAMES:
@@ -337,45 +343,16 @@ class SpecConfig:
         self._check_dspark()
         self._check_spork()
 
-    def _check_drafter(self) -> None:
-        if self.drafter is None:
-            object.__setattr__(self, "drafter", "recycle" if self.strategy == "spork" else "ngram")
-        if not isinstance(self.drafter, str):
-            raise ConfigError(f"drafter must be a string such as 'ngram', got {self.drafter!r}")
-        if self.strategy == "spork":
-            for source in self.drafter.split("+"):
-                if source not in ("recycle", "ngram", "self") and not _is_path_source(source):
-                    raise ConfigError(
-                        f"unknown spork drafter {source!r}; use one or more of "
-                        f"{', '.join(SPORK_SOURCES)} joined by '+', e.g. recycle+ngram"
-                    )
-        else:
-            self._check_chain_sources()
-        sources = self.drafter.split("+")
-        if len(set(sources)) < len(sources):
-            raise ConfigError(f"drafter {self.drafter!r} names a source twice; name each once")
-
     def _check_layers_used(self) -> None:
         """Layers are what the self drafter runs: given to another drafter they would be
         silently unused."""
         given = [n for n in ("self_layers", "skip_layers") if getattr(self, n) is not None]
-        if given and "self" not in self.drafter.split("+"):
-            plus = " (or add it: e.g. recycle+self)" if self.strategy == "spork" else ""
+        if given and not self.drafts_with("self"):
+            plus = " (or add it: e.g. recycle+self)" if self.strategy_kind.tree else ""
             raise ConfigError(
                 f"{given[0]} chooses the layers of the self drafter, but the drafter is "
                 f"{self.drafter!r}; use drafter self{plus}, or leave {given[0]} out"
             )
-
-    def _check_chain_sources(self) -> None:
-        """A chain drafter, or several joined by "+" (asked in order: the first draft wins)."""
-        sources = self.drafter.split("+")
-        for source in sources:
-            if source not in ("ngram", "self") and not _is_path_source(source):
-                hint = " (recycle drafts trees: strategy spork)" if "recycle" in source else ""
-                raise ConfigError(
-                    f"unknown drafter {source!r}; choose one of {', '.join(DRAFTERS)}, or "
-                    f"several joined by '+' and asked in order (e.g. ngram+head){hint}"
-                )
 
     def _check_spork(self) -> None:
         for name in ("forks", "depth", "budget"):
@@ -398,7 +375,7 @@ class SpecConfig:
         if not (_is_number(self.target_acceptance) and 0 < self.target_acceptance <= 1):
             got = self.target_acceptance
             raise ConfigError(f"target_acceptance must be in (0, 1], got {got!r}")
-        if self.lossy_typical and self.strategy != "spork":
+        if self.lossy_typical and not self.strategy_kind.tree:
             raise ConfigError("lossy typical acceptance is a SPORK option; use strategy spork")
         if not (_is_number(self.typical_epsilon) and 0 < self.typical_epsilon <= 1):
             raise ConfigError(f"typical_epsilon must be in (0, 1], got {self.typical_epsilon!r}")
@@ -431,10 +408,30 @@ class SpecConfig:
             raise ConfigError(f"margin_scale must be a number > 0, got {self.margin_scale!r}")
 
     @property
+    def sources(self) -> tuple[DraftSource, ...]:
+        """`drafter` parsed: its sources in the order given (`str(source)` writes one back)."""
+        return self._sources
+
+    @property
+    def strategy_kind(self) -> StrategyKind:
+        """What `strategy` is (catalog.kinds): whether it drafts, chains or trees, ..."""
+        return strategy_kind(self.strategy)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the strategy drafts (every one but plain decoding, "ar")."""
+        return self.strategy_kind.drafts
+
+    def drafts_with(self, kind: str) -> bool:
+        """Whether one of the drafter's sources is of `kind` ("self", "recycle", "model", ...)."""
+        return any(source.kind == kind for source in self._sources)
+
+    @property
     def draft_k(self) -> int:
         """The most tokens one round drafts (DSpark's max_k, SPORK's node budget); 0 if none."""
-        if self.strategy == "ar":
-            return 0
-        if self.strategy == "spork":
-            return self.budget
-        return self.max_k if self.strategy == "dspark" else self.k
+        longest = self.strategy_kind.longest
+        return getattr(self, longest) if longest else 0
+
+    def to_dict(self) -> dict:
+        """The options as a JSON-ready dict (`SpecConfig(**d)` reverses it)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}

@@ -14,12 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from specfork.config import POLICY_NAMES, STRATEGIES, TREE_SHAPES, SpecConfig
+from specfork.catalog.kinds import DRAFTER_KINDS, STRATEGY_KINDS, STRATEGY_NAMES, strategy_kind
+from specfork.catalog.sources import parse_drafter
+from specfork.config import POLICY_NAMES, TREE_SHAPES, SpecConfig
 from specfork.errors import ConfigError
 
 # Who reads an option: "drafting" = every speculative strategy; "speculative" = the fixed
 # draft-length schedules (DSpark and SPORK choose their own lengths); "dspark"; "spork".
-OWNERS = ("drafting", "speculative", "dspark", "spork")
+OWNERS = ("drafting", *(s.name for s in STRATEGY_KINDS if s.drafts))
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 NONE_WORDS = ("none", "null", "")
@@ -71,11 +73,26 @@ def _o(name: str, kind: type | str, owner: str, help: str, **kw: Any) -> SpecOpt
     return SpecOption(name, kind, owner, help, **kw)
 
 
+def _drafter_help() -> str:
+    """The drafter option's help, from the catalog: the chain drafters, each tree strategy's
+    sources (a tree-only kind described there), the defaults."""
+    chains = [f"{k.usage} ({k.help})" for k in DRAFTER_KINDS if k.chain]
+    text = (
+        f"{', '.join(chains[:-1])} or {chains[-1]}, or several joined by + and asked in order "
+        "(e.g. ngram+head: the first draft wins)"
+    )
+    for tree in (s for s in STRATEGY_KINDS if s.tree):
+        names = [k.usage if k.chain else f"{k.usage} ({k.help})" for k in DRAFTER_KINDS
+                 if tree.accepts(k)]  # fmt: skip
+        text += f"; for {tree.name} one or more of {', '.join(names)} joined by +"
+    default = SpecConfig().drafter
+    others = [f"{s.default_drafter} for {s.name}" for s in STRATEGY_KINDS
+              if s.default_drafter != default]  # fmt: skip
+    return f"{text} (default: {'; '.join([str(default), *others])})"
+
+
 SPEC_OPTIONS: tuple[SpecOption, ...] = (
-    _o("drafter", "str?", "drafting", "ngram (prompt lookup), self (the target's own layers), "
-       "head[:PATH] (a trained draft head) or model:PATH, or several joined by + and asked in "
-       "order (e.g. ngram+head: the first draft wins); for spork one or more of recycle, ngram, "
-       "self, head[:PATH], model:PATH joined by + (default: ngram; recycle for spork)"),
+    _o("drafter", "str?", "drafting", _drafter_help()),
     _o("k", int, "speculative", "draft length (the maximum for linear-decay)"),
     _o("k_policy", str, "speculative", "how the draft length changes from round to round",
        choices=POLICY_NAMES),
@@ -130,7 +147,7 @@ def option(name: str, where: str = "") -> SpecOption:
 
 def reads(strategy: str, opt: SpecOption) -> bool:
     """Whether `strategy` uses option `opt`."""
-    if strategy == "ar":
+    if not strategy_kind(strategy).drafts:
         return False
     if opt.owner == "drafting":
         return True
@@ -159,16 +176,16 @@ PLAIN_WORDING = Wording()
 def check_used(strategy: str, names: list[str], wording: Wording = PLAIN_WORDING) -> None:
     """ConfigError for the first option of `names` that `strategy` does not read, naming the
     strategy that does."""
-    if strategy not in STRATEGIES:
+    if strategy not in STRATEGY_NAMES:
         return  # SpecConfig names the valid strategies
     for name in names:
         opt = OPTIONS_BY_NAME[name]
         if reads(strategy, opt):
             continue
-        if strategy == "ar":
+        if not strategy_kind(strategy).drafts:
             raise ConfigError(
                 f"{wording.option(opt)} needs a speculative strategy; "
-                f"{wording.name('ar')} drafts nothing"
+                f"{wording.name(strategy)} drafts nothing"
             )
         raise ConfigError(
             f"{wording.option(opt)} is {_article(wording.noun)} {wording.noun} of "
@@ -182,11 +199,8 @@ def _article(noun: str) -> str:
 
 
 def _instead(strategy: str, opt: SpecOption) -> str:
-    if opt.name in ("k", "k_policy") and strategy == "dspark":
-        return " (it chooses K itself between min_k and max_k)"
-    if opt.name in ("k", "k_policy") and strategy == "spork":
-        return " (its trees are sized by forks, depth and budget)"
-    return ""
+    sized_by = strategy_kind(strategy).sized_by
+    return f" ({sized_by})" if opt.name in ("k", "k_policy") and sized_by else ""
 
 
 def implied_strategy(names: list[str], wording: Wording = PLAIN_WORDING) -> str | None:
@@ -210,8 +224,18 @@ def spec_with(base: SpecConfig, values: Mapping[str, Any]) -> SpecConfig:
     strategy = changes.get("strategy", base.strategy)
     if "drafter" not in changes and strategy != base.strategy:
         changes["drafter"] = None
-    drafter = changes.get("drafter", base.drafter) or ""  # (not a str: SpecConfig says so)
-    if isinstance(drafter, str) and "self" not in drafter.split("+"):
+    if not _names_self(changes.get("drafter", base.drafter), strategy):
         for name in ("self_layers", "skip_layers"):
             changes.setdefault(name, None)
     return dataclasses.replace(base, **changes)
+
+
+def _names_self(drafter: Any, strategy: Any) -> bool:
+    """Whether `drafter` (None: `strategy`'s default) has the self drafter among its sources;
+    True for values SpecConfig refuses anyway (it names their own error first)."""
+    try:
+        kind = strategy_kind(strategy)
+        sources = parse_drafter(kind.default_drafter if drafter is None else drafter, kind)
+    except ConfigError:
+        return True
+    return any(source.kind == "self" for source in sources)

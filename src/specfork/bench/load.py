@@ -58,7 +58,7 @@ class LoadConfig:
 
     @property
     def speculative(self) -> bool:
-        return self.spec.strategy != "ar"
+        return self.spec.drafts
 
 
 @dataclass(frozen=True)

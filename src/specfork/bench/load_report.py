@@ -270,7 +270,7 @@ def _config_json(config: LoadConfig) -> dict[str, Any]:
     return {
         "label": config.label,
         "strategy": config.strategy,
-        "spec": dataclasses.asdict(config.spec),
+        "spec": config.spec.to_dict(),
         "max_running": config.max_running,
     }
 

@@ -121,9 +121,7 @@ def plain_steps(generator: Any, forwards: list[tuple[int, int]]) -> float:
 
 
 def _persistent_recycle(spec: SpecConfig | None) -> bool:
-    if spec is None or spec.strategy != "spork":
-        return False
-    return "recycle" in spec.drafter.split("+") and spec.recycle_persist
+    return spec is not None and spec.recycle_persist and spec.drafts_with("recycle")
 
 
 WARMUP_TEXT = "Explain in a few sentences how a bicycle stays upright."  # never measured
@@ -618,9 +616,11 @@ def _build_hf(
     if "models" not in state:
         state["models"] = hf.HFModels(hf_dtype(loaded.model), loaded.model.device)
     drafts = [
-        s.spec.drafter.removeprefix("model:")
+        source.path
         for s in specs
-        if s.spec is not None and str(s.spec.drafter).startswith("model:")
+        if s.spec is not None
+        for source in s.spec.sources
+        if source.kind == "model"
     ]
     return hf.build_hf_strategy(
         spec, target_path=loaded.path, models=state["models"], n=settings.max_new_tokens,

@@ -4,9 +4,9 @@ Syntax::
 
     strategy[:drafter][?key=value&key=value]
 
-- ``strategy`` is ``ar`` (plain decoding) or any specfork strategy (``speculative`` today;
-  ``dspark``, ``spork`` and later ones as they are added to `specfork.config`), or ``hf`` for a
-  Hugging Face transformers baseline.
+- ``strategy`` is ``ar`` (plain decoding) or any specfork strategy (``speculative``,
+  ``dspark``, ``spork`` and later ones as they are added to `specfork.catalog.kinds`), or
+  ``hf`` for a Hugging Face transformers baseline.
 - ``drafter`` is everything between the first ``:`` and ``?``: ``ngram``, ``self``,
   ``model:PATH-or-name``, or a strategy's own drafter names (``recycle+ngram``). It becomes
   the ``drafter`` field of :class:`specfork.config.SpecConfig`.
@@ -36,12 +36,11 @@ display label is the spec string itself.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specfork import config as _config
+from specfork.catalog.kinds import STRATEGY_NAMES, strategy_kind
 from specfork.config import SpecConfig
 from specfork.errors import ConfigError
 from specfork.spec_schema import OPTIONS_BY_NAME, check_used, option
@@ -81,13 +80,13 @@ class StrategySpec:
     @property
     def is_plain(self) -> bool:
         """specfork's own plain decoding: the reference of speedups and greedy matches."""
-        return self.family == "specfork" and self.spec is not None and self.spec.strategy == "ar"
+        return self.family == "specfork" and self.spec is not None and not self.spec.drafts
 
     def describe(self) -> dict[str, Any]:
         """A JSON-ready description (results.json)."""
         out: dict[str, Any] = {"label": self.label, "family": self.family}
         if self.spec is not None:
-            out["config"] = dataclasses.asdict(self.spec)
+            out["config"] = self.spec.to_dict()
         else:
             out["method"] = self.method
         out["options"] = dict(self.options)
@@ -95,9 +94,8 @@ class StrategySpec:
 
 
 def strategy_names() -> tuple[str, ...]:
-    """Every strategy name a spec may start with (read at call time: new ones appear here)."""
-    names = ["ar", *getattr(_config, "STRATEGIES", ("ar",))]
-    return (*dict.fromkeys(names), *BASELINES, SERVER)
+    """Every strategy name a spec may start with: specfork's (catalog.kinds), the baselines."""
+    return (*STRATEGY_NAMES, *BASELINES, SERVER)
 
 
 def valid_options() -> list[str]:
@@ -126,8 +124,8 @@ def parse_strategy(text: str) -> StrategySpec:
     raw = _split_options(query, label)
     if name in BASELINES:
         return _parse_baseline(label, name, drafter, raw)
-    if name == "ar" and drafter:
-        raise ConfigError(f"strategy spec {label!r}: plain decoding (ar) takes no drafter")
+    if drafter and not strategy_kind(name).drafts:
+        raise ConfigError(f"strategy spec {label!r}: plain decoding ({name}) takes no drafter")
     options = _spec_options(raw, label)
     kwargs = {"strategy": name, **({"drafter": drafter} if drafter else {}), **options}
     try:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from specfork.catalog.kinds import STRATEGY_KINDS
 from specfork.config import STRATEGIES, SamplingParams, SpecConfig
 from specfork.constraint import Constraint
 from specfork.errors import ConfigError, SpecforkError
@@ -112,10 +113,8 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
         "--strategy",
         default=None,
         choices=STRATEGIES,
-        help="ar = plain decoding (the default); speculative = draft, then verify in one pass; "
-        "dspark = speculative with K chosen every round from the target's confidence; "
-        "spork = a tree of forks verified in one pass (a drafter or strategy flag "
-        "without --strategy implies the strategy it belongs to)",
+        help="; ".join(f"{s.name} = {s.help}" for s in STRATEGY_KINDS)
+        + " (a drafter or strategy flag without --strategy implies the strategy it belongs to)",
     )
     for opt in SPEC_OPTIONS:
         if opt.cli:

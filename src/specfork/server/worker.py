@@ -341,7 +341,7 @@ class EngineWorker:
         prefix = getattr(self._batch, "prefix", None)
         if prefix is not None:
             metrics.track_prefix_cache(prefix)
-        metrics.speculation.set(int(engine.default_spec.strategy != "ar"))
+        metrics.speculation.set(int(engine.default_spec.drafts))
 
     @property
     def depth(self) -> int:
@@ -457,8 +457,8 @@ class EngineWorker:
         spec = requested or self.engine.default_spec
         limit = self.settings.plain_above_queue
         shed = limit is not None and self.depth > limit
-        self.metrics.speculation.set(int(not shed and self.engine.default_spec.strategy != "ar"))
-        if shed and spec.strategy != "ar":
+        self.metrics.speculation.set(int(not shed and self.engine.default_spec.drafts))
+        if shed and spec.drafts:
             return PLAIN, True
         return spec, False
 
