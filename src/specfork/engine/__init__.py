@@ -34,7 +34,7 @@ from specfork.host import cache_dir
 from specfork.loading.loader import LoadedModel
 from specfork.models.cost import CostCurve
 from specfork.sampling import make_generator
-from specfork.strategies import build_strategy
+from specfork.strategies.build import build_strategy
 from specfork.strategies.goodput import Gate, NoGate, new_gate
 from specfork.strategies.policies import DraftPolicy, check_policy
 

@@ -25,7 +25,7 @@ from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError
 from specfork.loading.chat_template import CHAT_ROLES
 from specfork.spec_schema import OPTIONS_BY_NAME, Wording, check_used, spec_with
-from specfork.strategies import draft_nodes_bound
+from specfork.strategies.registry import draft_nodes_bound
 
 Kind = Literal["completion", "chat"]
 Prompt = str | list[int] | list[dict[str, str]]
@@ -485,11 +485,12 @@ def _speculative(obj: Any, default: SpecConfig, limits: RequestLimits) -> SpecCo
     _check_spec_values(obj, default)
     try:
         spec = spec_with(default, obj)
+        _check_drafter_paths(spec, default)
         check_used(spec.strategy, [key for key in obj if key != "strategy"], REQUEST_WORDING)
     except ConfigError as exc:
         raise APIError(str(exc), param="speculative") from exc
     _check_limits(spec, default, limits)
-    return SpecConfig() if spec.strategy == "ar" else spec
+    return spec if spec.drafts else SpecConfig()
 
 
 def _check_limits(spec: SpecConfig, default: SpecConfig, limits: RequestLimits) -> None:
@@ -514,18 +515,8 @@ def _check_limits(spec: SpecConfig, default: SpecConfig, limits: RequestLimits) 
 
 
 def _check_spec_values(obj: dict[str, Any], default: SpecConfig) -> None:
-    """What a remote client may not ask for: new draft models, the recycle prior's one-off
-    computation, huge layer lists or drafts."""
-    drafter = obj.get("drafter")
-    allowed = set(default.drafter.split("+"))
-    if isinstance(drafter, str) and any(
-        part.startswith(("model:", "head:")) and part not in allowed for part in drafter.split("+")
-    ):
-        raise APIError(
-            "a request cannot load a draft model or head from a path; use drafter ngram, self "
-            "or head, or start the server with --drafter model:PATH / head:PATH",
-            param="speculative.drafter",
-        )
+    """What a remote client may not ask for: the recycle prior's one-off computation, huge
+    layer lists or drafts (new draft models: `_check_drafter_paths`)."""
     if obj.get("recycle_prior") is True and not default.recycle_prior:
         raise APIError(
             "a request cannot turn on the recycle prior (computed once per model, ~25 s, while "
@@ -546,6 +537,17 @@ def _check_spec_values(obj: dict[str, Any], default: SpecConfig) -> None:
                 f"speculative.{name} must be at most {MAX_SPEC_INT}, got {value}",
                 param=f"speculative.{name}",
             )
+
+
+def _check_drafter_paths(spec: SpecConfig, default: SpecConfig) -> None:
+    """A request's drafter loads nothing from a path the server was not started with."""
+    allowed = set(default.sources)
+    if any(s.path is not None and s not in allowed for s in spec.sources):
+        raise APIError(
+            "a request cannot load a draft model or head from a path; use drafter ngram, self "
+            "or head, or start the server with --drafter model:PATH / head:PATH",
+            param="speculative.drafter",
+        )
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -590,7 +592,7 @@ def speculative_stats(
     spec: SpecConfig, stats: GenerationStats, plain_under_load: bool, reason: str = ""
 ) -> dict:
     """The request's decoding figures (the `speculative` object of a response)."""
-    speculating = spec.strategy != "ar"
+    speculating = spec.drafts
     return {
         "strategy": spec.strategy,
         "drafter": spec.drafter if speculating else None,

@@ -1,0 +1,108 @@
+"""What each registry entry builds: a drafter from one source of a drafter string, a policy
+for one strategy. Every builder of a kind has the same signature, so `registry` can name
+them in a table and `build` call them without knowing which is which."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specfork.catalog.sources import DraftSource
+from specfork.config import SpecConfig
+from specfork.drafters.base import Drafter
+from specfork.drafters.model import ModelDrafter, parse_layers, step_weights
+from specfork.drafters.ngram import NgramDrafter
+from specfork.errors import ConfigError, ModelFormatError
+from specfork.strategies.dspark import DSparkPolicy
+from specfork.strategies.policies import DraftPolicy, make_policy
+from specfork.strategies.spork import SporkPolicy
+
+if TYPE_CHECKING:
+    from specfork.loading.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+# -- drafters: (source, spec, target) -> Drafter
+
+
+def ngram_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> Drafter:
+    """Prompt lookup over the request's own history."""
+    return NgramDrafter(spec.max_ngram, spec.min_ngram)
+
+
+def self_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> Drafter:
+    """The target's own layers: `self_layers` (early exit; default the first half), or every
+    layer but `skip_layers`."""
+    n_layers = target.model.config.num_layers
+    if spec.skip_layers:
+        skipped = set(parse_layers(spec.skip_layers, n_layers))
+        layers = [i for i in range(n_layers) if i not in skipped]
+    else:
+        layers = parse_layers(spec.self_layers or f"0-{max(0, n_layers // 2 - 1)}", n_layers)
+    return ModelDrafter(target.model, layers=layers, name="self")
+
+
+def head_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> Drafter:
+    """A trained draft head (`specfork train-head`): at the source's PATH, or the one shipped
+    for the target."""
+    from specfork.drafters.head import HeadDrafter
+    from specfork.drafters.meter import CostMeter
+    from specfork.heads.fast import can_pack, on_kernels
+    from specfork.heads.model import load_head
+    from specfork.heads.packaged import packaged_head
+    from specfork.models.cost import one_row_seconds
+
+    folder = Path(source.path) if source.path else packaged_head(target)
+    head = load_head(folder, target.model.config).to(target.model.device)  # beside its features
+    cost = HeadDrafter.weights_cost(head, target.model)
+    kernels = getattr(target.model, "kernels", None)  # a FastLM target runs on the kernels
+    if kernels is not None and can_pack(head):
+        head = on_kernels(head, kernels, "q8")  # int8 blocks: half bf16's traffic, same drafts
+    meter = CostMeter(one_row_seconds(target.model), floor=cost)
+    return HeadDrafter(head, target.model, cost=cost, meter=meter)
+
+
+def model_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> Drafter:
+    """A separate draft model at the source's PATH (a path, packaged name or Hub id; its
+    tokenizer is not needed: it must share the target's)."""
+    from specfork.loading.loader import load_decoder
+    from specfork.loading.registry import resolve_model
+
+    path = resolve_model(source.path or "", progress=False)
+    precision = target.model.precision
+    if precision == "gguf" and path.is_dir():
+        precision = "auto"  # a checkpoint folder has no GGUF blocks to keep
+    try:
+        draft = load_decoder(path, dtype=precision, device=target.model.device)
+    except (ConfigError, ModelFormatError) as exc:  # quant types the kernels do not run
+        if precision == "auto":
+            raise
+        log.info("the draft model runs at its own precision (not %s: %s)", precision, exc)
+        draft = load_decoder(path, dtype="auto", device=target.model.device)
+    v_target, v_draft = target.model.config.vocab_size, draft.config.vocab_size
+    if v_target != v_draft:
+        raise ConfigError(
+            f"the draft model's vocabulary ({v_draft} tokens) differs from the target's "
+            f"({v_target} tokens); a draft model must share the target's tokenizer"
+        )
+    cost = step_weights(draft) / step_weights(target.model)
+    return ModelDrafter(draft, name="model", cost=cost)
+
+
+# -- policies: (spec, drafter or None) -> DraftPolicy
+
+
+def fixed_policy(spec: SpecConfig, drafter: Drafter | None) -> DraftPolicy:
+    """speculative: a draft-length schedule (constant, heuristic, linear-decay)."""
+    return make_policy(spec.k_policy, spec.k, spec.expected_length)
+
+
+def dspark_policy(spec: SpecConfig, drafter: Drafter | None) -> DraftPolicy:
+    """DSpark: K from the target's confidence every round."""
+    return DSparkPolicy(spec)
+
+
+def spork_policy(spec: SpecConfig, drafter: Drafter | None) -> DraftPolicy:
+    """SPORK: tree shapes, priced by what the drafter's networks cost (0 without one)."""
+    return SporkPolicy(spec, draft_cost=drafter.cost if drafter else 0.0)
