@@ -17,8 +17,8 @@ from pathlib import Path
 
 from specfork.bench.prompts import load_prompts
 from specfork.config import GenerationConfig, SpecConfig
-from specfork.engine import Generator
 from specfork.engine.batch import BatchConfig, Scheduler
+from specfork.engine.generator import Generator
 from specfork.loading.loader import load_model
 
 STRATEGIES = {"ar": SpecConfig(), "ngram": SpecConfig("speculative", "ngram", k=4)}

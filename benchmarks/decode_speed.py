@@ -29,7 +29,7 @@ from specfork.bench.hf import load_hf_model
 from specfork.bench.machine import machine_info
 from specfork.bench.prompts import load_prompts
 from specfork.config import GenerationConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.loading.loader import load_model
 
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from specfork.config import GenerationConfig, SpecConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.loading.loader import LoadedModel, load_model
 
 PROMPT = "Repeat exactly: one two three, one two three, one two three."

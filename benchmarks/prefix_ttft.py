@@ -15,8 +15,8 @@ import argparse
 import statistics
 
 from specfork.config import GenerationConfig
-from specfork.engine import Generator
 from specfork.engine.batch import BatchConfig, Scheduler
+from specfork.engine.generator import Generator
 from specfork.engine.lifecycle import GenerationResult
 from specfork.loading.loader import load_model
 from specfork.loading.registry import DEFAULT_MODEL

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from specfork.bench.prompts import load_prompts, select_prompts
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.loading.loader import load_model
 
 COUPLINGS = ("keyed", "rejection")  # with a seed, without one

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.engine.thread import model_thread, run_in
 from specfork.loading.loader import load_model
 from specfork.loading.registry import DEFAULT_MODEL

@@ -33,7 +33,7 @@ import torch
 
 from specfork.bench.machine import machine_info
 from specfork.config import GenerationConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.loading.loader import load_model
 from specfork.threads import parse_threads
 

@@ -188,7 +188,7 @@ def run_specfork(model: str, head: Path, prompts, args, mode: str) -> Run:
     import torch
 
     from specfork.config import GenerationConfig, SpecConfig
-    from specfork.engine import Generator
+    from specfork.engine.generator import Generator
     from specfork.loading.loader import load_model
 
     torch.set_num_threads(args.threads)

@@ -11,7 +11,7 @@ import torch
 
 from specfork import load_model
 from specfork.config import GenerationConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.errors import ConfigError, PromptError
 from specfork.loading.loader import LoadedModel
 from tiny_models import tiny_chat_llama

@@ -13,8 +13,8 @@ from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import EMPTY_DRAFT, Draft, Feedback
 from specfork.drafters.forks import ForkDrafter
 from specfork.drafters.recycle import UNKNOWN
-from specfork.engine import Generator
 from specfork.engine.batch import BatchConfig, Scheduler, generate_batch
+from specfork.engine.generator import Generator
 from specfork.errors import ConfigError
 from specfork.kernels import load_kernels
 from specfork.loading.loader import LoadedModel, load_model

@@ -210,7 +210,7 @@ def test_bad_servers_fail_their_rows_and_the_run_goes_on(tiny_folder: Path) -> N
 @pytest.mark.usefixtures("one_thread")
 def test_text_match_and_speedup_through_the_bench(tiny_folder: Path, tmp_path: Path) -> None:
     """The fake answers one prompt with ar's own text and the other with something else."""
-    from specfork.engine import Generator
+    from specfork.engine.generator import Generator
     from specfork.loading.loader import load_model
 
     loaded = load_model(str(tiny_folder), dtype="float32", device="cpu", progress=False)
@@ -246,7 +246,7 @@ def test_text_match_and_speedup_through_the_bench(tiny_folder: Path, tmp_path: P
 def test_specfork_serve_as_the_server(tiny_folder: Path, tmp_path: Path) -> None:
     """specfork serve on the same tiny model: same engine, so the text matches ar's, and a
     multi-turn run sends the same earlier answer to the server."""
-    from specfork.engine import Generator
+    from specfork.engine.generator import Generator
     from specfork.loading.loader import load_model
     from specfork.server.app import create_app
 

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as Q
 from cli_run import run_cli as _run
 from specfork.cli import main
 from specfork.config import GenerationConfig, SamplingParams
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.heads.packaged import PACKAGED, shipped
 from specfork.loading import loader
 from specfork.loading.dequant import SUPPORTED_TYPES

@@ -12,7 +12,7 @@ import pytest
 
 from cli_run import run_cli
 from specfork.config import GenerationConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.loading.loader import load_model
 from tiny_models import tiny_chat_llama
 

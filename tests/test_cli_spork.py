@@ -37,7 +37,7 @@ def test_lossy_gate_needs_spork(capsys) -> None:
 @pytest.mark.slow
 def test_tree_larger_than_the_context() -> None:
     from specfork.config import SpecConfig
-    from specfork.engine import Generator
+    from specfork.engine.generator import Generator
     from specfork.errors import ConfigError
     from specfork.loading.loader import load_model
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specfork.config import GenerationConfig, SpecConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.models import cost_cache
 from specfork.models.cost import ROWS, CostCurve

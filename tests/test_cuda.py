@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specfork.config import GenerationConfig, SpecConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.errors import ConfigError
 from specfork.loading.loader import LoadedModel, load_model
 

@@ -15,7 +15,7 @@ import torch
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
-from specfork.engine import GenerationResult, Generator
+from specfork.engine.generator import GenerationResult, Generator
 from specfork.engine.thread import model_thread, run_in
 from specfork.errors import ConfigError, PromptError
 from specfork.kernels import load_kernels
@@ -376,7 +376,7 @@ def test_good_params_are_accepted() -> None:
 def test_per_request_strategy(smollm_f32: LoadedModel, first: GenerationResult) -> None:
     """`spec=` runs one request with another strategy; the next plain request is plain again."""
     from specfork.config import SpecConfig
-    from specfork.engine import MAX_KEPT_STRATEGIES
+    from specfork.engine.generator import MAX_KEPT_STRATEGIES
 
     own = Generator(smollm_f32)
     assert own.max_strategies == MAX_KEPT_STRATEGIES

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specfork.config import GenerationConfig, SpecConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.kernels import load_kernels
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.models.cost import CostCurve

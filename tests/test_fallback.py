@@ -12,7 +12,7 @@ import torch
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
 from specfork.drafters.fallback import FallbackDrafter
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.engine.round import gated, observe_gate
 from specfork.errors import ConfigError
 from specfork.loading.loader import LoadedModel

@@ -13,7 +13,7 @@ import torch
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Draft, Feedback, chain_draft
 from specfork.drafters.meter import CostMeter
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.loading.loader import LoadedModel
 from specfork.models.cost import CostCurve
 from specfork.strategies.goodput import (

@@ -21,7 +21,7 @@ from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import DraftShape, Feedback, StepConfidence
 from specfork.drafters.head import HeadDrafter
 from specfork.drafters.meter import CostMeter
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.errors import ConfigError
 from specfork.heads.fast import on_kernels
 from specfork.heads.model import load_head, save_head

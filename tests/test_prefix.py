@@ -9,8 +9,8 @@ import torch
 
 from specfork.cache import KVCache
 from specfork.config import GenerationConfig, SpecConfig
-from specfork.engine import Generator
 from specfork.engine.batch import BatchConfig, Scheduler, generate_batch
+from specfork.engine.generator import Generator
 from specfork.engine.prefix import PrefixCache
 from specfork.errors import ConfigError
 from specfork.kernels import load_kernels

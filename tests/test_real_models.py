@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from specfork.config import GenerationConfig, SpecConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.loading.registry import DEFAULT_MODEL, resolve_model
 

@@ -28,7 +28,7 @@ from rich.console import Console
 from cli_run import run_cli
 from specfork.cli import serve as serve_command
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.engine import GenerationResult, Generator
+from specfork.engine.generator import GenerationResult, Generator
 from specfork.engine.stats import GenerationStats
 from specfork.engine.thread import model_thread, run_in
 from specfork.errors import SpecforkError

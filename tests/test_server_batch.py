@@ -13,8 +13,8 @@ import pytest
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.constraint import Constraint
-from specfork.engine import Generator
 from specfork.engine.batch import BatchConfig, Scheduler
+from specfork.engine.generator import Generator
 from specfork.errors import ConstraintError
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.models.cost import CostCurve

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.loading.loader import LoadedModel
 from specfork.server.app import create_app
 from specfork.server.run import serve_in_background

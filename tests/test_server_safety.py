@@ -20,7 +20,7 @@ from rich.console import Console
 
 from specfork.cli import serve as serve_command
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.errors import SpecforkError
 from specfork.loading.loader import LoadedModel
 from specfork.server.app import create_app

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import pytest
 
 from specfork.config import GenerationConfig, SpecConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.engine.lifecycle import GenerationResult
 from specfork.loading.loader import LoadedModel, load_model
 

@@ -36,7 +36,7 @@ import torch
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
 from specfork.drafters.model import ModelDrafter
-from specfork.engine import GenerationResult, Generator
+from specfork.engine.generator import GenerationResult, Generator
 from specfork.loading.loader import LoadedModel
 from specfork.loading.registry import DEFAULT_MODEL
 from specfork.models.cost import CostCurve

@@ -22,7 +22,7 @@ from specfork.drafters.forks import ForkDrafter
 from specfork.drafters.head import HeadDrafter
 from specfork.drafters.model import ModelDrafter
 from specfork.drafters.ngram import NgramDrafter
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.errors import ConfigError
 from specfork.heads.model import DraftHead, HeadConfig, save_head
 from specfork.loading.loader import LoadedModel, load_model

@@ -32,7 +32,7 @@ from specfork.cli import bench as bench_command
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.constraint import Constraint
 from specfork.drafters.base import Draft, DraftShape, Feedback, chain_draft
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.engine.grammar import GrammarState, grammar_tokenizer
 from specfork.engine.round import constrained
 from specfork.errors import ConfigError, ConstraintError

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specfork.config import GenerationConfig, SpecConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.errors import ConfigError
 from specfork.kernels import load_kernels
 from specfork.kernels.pack import Kind, pack_float

@@ -347,7 +347,7 @@ class InProcessServers:
         return self._generators[spec]
 
     def _build(self, spec: SpecConfig) -> Any:
-        from specfork.engine import Generator
+        from specfork.engine.generator import Generator
 
         generator = Generator(self.loaded, spec=spec, max_context=self.max_context)
         generator.warm_up()

@@ -420,7 +420,7 @@ def run_benchmark(
 ) -> BenchResults:
     """Load the model (unless `loaded` is given), build every strategy, measure, summarize."""
     from specfork.bench.specs import ensure_plain
-    from specfork.engine import Generator
+    from specfork.engine.generator import Generator
 
     notes = list(settings.notes)
     specs, added = ensure_plain(settings.strategies)

@@ -116,7 +116,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, err: Console) -> int:
-    from specfork.engine import Generator
+    from specfork.engine.generator import Generator
     from specfork.loading.loader import load_model
 
     sampling = sampling_from_args(args)

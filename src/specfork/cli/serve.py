@@ -19,7 +19,7 @@ from specfork.threads import parse_threads
 
 if TYPE_CHECKING:
     from specfork.config import SpecConfig
-    from specfork.engine import Generator
+    from specfork.engine.generator import Generator
 
 log = logging.getLogger(__name__)
 SERVED_STRATEGIES = 16  # strategies kept built for requests (the most recently used)
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
 
 def _load_generator(args: argparse.Namespace, spec: SpecConfig) -> Generator:
     """Load the model and warm it up (on the model thread, which runs every request)."""
-    from specfork.engine import Generator
+    from specfork.engine.generator import Generator
     from specfork.loading.loader import load_model
 
     loaded = load_model(args.model, progress=False, **model_options(args))

@@ -107,7 +107,7 @@ def run_compile(args: argparse.Namespace, err: Console) -> int:
     """Build (or find) the kernels; optionally load a model on them and generate a few tokens."""
     import time
 
-    from specfork.engine import Generator
+    from specfork.engine.generator import Generator
     from specfork.host import cache_dir
     from specfork.kernels import kernel_status
     from specfork.kernels.build import artifact_key, compiler
@@ -132,7 +132,7 @@ def run_compile(args: argparse.Namespace, err: Console) -> int:
 
 def run_calibrate(args: argparse.Namespace, err: Console) -> int:
     from specfork.bench.prompts import builtin_prompts, load_prompts, select_prompts
-    from specfork.engine import Generator
+    from specfork.engine.generator import Generator
     from specfork.loading.loader import load_model
     from specfork.tools.calibrate import calibrate
 

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -48,6 +49,7 @@ from specfork.engine.round import (
 from specfork.errors import ConfigError, ConstraintError
 from specfork.models.base import Segment
 from specfork.models.cost import CostCurve
+from specfork.models.target import TargetModel
 from specfork.strategies.goodput import (
     EXPLORE_EVERY,
     PRIOR,
@@ -94,6 +96,24 @@ class BatchConfig:
         p = self.prefix_cache_bytes
         if not is_int(p) or p < 0:
             raise ConfigError(f"prefix_cache_bytes must be an integer >= 0, got {p!r}")
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the scheduler needs of the engine whose requests it runs (`Generator`)."""
+
+    model: TargetModel
+    prefill_chunk: int  # prompt rows per forward, at most
+    context: int  # tokens a request's cache may hold
+
+    def open_request(
+        self, prompt: object, *, chat: bool | None = None, config: GenerationConfig | None = None,
+        sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
+    ) -> Request: ...  # fmt: skip
+
+    def release(self, req: Request, keep: int | None = None) -> None: ...
+
+    def cost_curve(self) -> CostCurve: ...
 
 
 @dataclass(eq=False)
@@ -146,6 +166,7 @@ class _Work:
     """A step's plan: decoding requests with their rounds, prompt chunks, segments."""
 
     rounds: list[tuple[Running, Planned]] = field(default_factory=list)
+    phases: dict[int, dict[str, float]] = field(default_factory=dict)  # id(running): at start
     chunks: list[tuple[Running, int]] = field(default_factory=list)  # (request, rows)
     segments: list[Segment] = field(default_factory=list)
     predicted: float = 0.0
@@ -154,19 +175,34 @@ class _Work:
 class Scheduler:
     """Runs many requests of one `Generator` together (see the module doc)."""
 
-    def __init__(self, generator: object, config: BatchConfig | None = None) -> None:
-        from specfork.engine import Generator  # the engine package imports this module
-
-        if not isinstance(generator, Generator):
-            raise ConfigError("the scheduler runs a specfork.engine.Generator")
+    def __init__(self, generator: Engine, config: BatchConfig | None = None) -> None:
+        if not isinstance(generator, Engine):
+            raise ConfigError(
+                f"the scheduler runs the requests of a specfork Generator, not of a "
+                f"{type(generator).__name__}; write Scheduler(Generator(load_model(name)))"
+            )
+        if config is not None and not isinstance(config, BatchConfig):
+            raise ConfigError(f"config must be a BatchConfig, got {type(config).__name__}")
         self.generator = generator
         self.model = generator.model
         self.config = config or BatchConfig()
+        self._isolate = True  # a request's own failure ends it alone; the others go on
+        self._keep: int | None = self.config.max_running  # free caches kept (None: default)
         self.running: list[Running] = []
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self._failed: list[Update] = []  # requests a step ended with an error of their own
         size = self.config.prefix_cache_bytes
         self.prefix = PrefixCache(size) if size else None
+
+    @classmethod
+    def alone(cls, generator: Engine) -> Scheduler:
+        """The scheduler of one lone request (`Generator.stream`): no batch allocation (the
+        request's own gate trims its drafts), rows for any draft and whole prefill chunks, and
+        a failure raised to the caller."""
+        rows = max(DEFAULT_STEP_ROWS, generator.prefill_chunk, generator.context)
+        scheduler = cls(generator, BatchConfig(max_running=1, step_rows=rows, goodput=False))
+        scheduler._isolate, scheduler._keep = False, None
+        return scheduler
 
     # -- admission ------------------------------------------------------------------------------
     def has_room(self, prompt_tokens: int = 0, max_new_tokens: int = 0) -> bool:
@@ -202,6 +238,11 @@ class Scheduler:
         req = self.generator.open_request(
             prompt, chat=chat, config=config, sampling=sampling, spec=spec
         )
+        return self.admit(req)
+
+    def admit(self, req: Request) -> Running:
+        """Admit a request opened with `Generator.open_request` (its cache is the scheduler's
+        to give back from now on). It prefills from the next step on."""
         running = Running(req, time.perf_counter())
         drafter = req.drafter
         learns = drafter is not None and (drafter.wants_logits or bool(drafter.hidden_layers))
@@ -217,18 +258,23 @@ class Scheduler:
             self.running.remove(running)
             running.req.out.finish("cancelled")
             running.finished = True
-            self.generator.release(running.req, keep=self.config.max_running)
+            self.generator.release(running.req, keep=self._keep)
 
     def _fail(self, running: Running, exc: Exception) -> None:
         """A request whose own work raised (its grammar, its drafter, its sampler) leaves the
-        batch with the error, its cache freed; the step goes on for the others."""
+        batch with the error, its cache freed; the step goes on for the others. A lone
+        request's scheduler (`alone`) raises the error to its caller instead."""
+        if not self._isolate:
+            running.req.out.finish("error")
+            self.cancel(running)
+            raise exc
         if isinstance(exc, ConstraintError):  # the request's own constraint, not a fault here
             log.warning("a request left the batch: %s", exc)
         else:
             log.error("a request failed and left the batch: %s", exc, exc_info=exc)
         if running in self.running:  # (not when it failed after leaving: its cache went back)
             self.running.remove(running)
-            self.generator.release(running.req, keep=self.config.max_running)
+            self.generator.release(running.req, keep=self._keep)
         running.req.out.finish("error")
         running.finished = True
         self._failed.append(Update(running, "", error=exc))
@@ -267,6 +313,7 @@ class Scheduler:
         floor = self._least_value(decoding, budget, prefill)
         proposals = {}
         for running in decoding:
+            work.phases[id(running)] = dict(running.req.stats.phase_seconds)
             try:
                 proposals[id(running)] = self._propose(running, floor)
             except Exception as exc:  # this request's own failure
@@ -281,8 +328,11 @@ class Scheduler:
                 self._fail(running, exc)
                 continue
             work.rounds.append((running, planned))
-            work.predicted += sum(self._values(running.req, planned.draft))
+            if self.config.goodput:  # the allocation's estimate (none without one)
+                work.predicted += sum(self._values(running.req, planned.draft))
+            t0 = time.perf_counter()
             work.segments.append(round_segment(running.req, planned.draft, self.model.device))
+            running.req.stats.spend("prepare", t0)
             budget -= len(planned.draft)
         for running in self.running:
             if running.prefilling and budget > 0:
@@ -297,8 +347,9 @@ class Scheduler:
         allocate or no request drafts through a goodput gate, so that plain decoding never
         measures the model's cost curve): what a request's best draft node must be worth to be
         worth proposing, beside `prefill` sunk prompt rows."""
-        gated = any(r.req.gate.first_rate() is not None for r in decoding)
-        if not self.config.goodput or budget < 1 or not gated:
+        if not self.config.goodput or budget < 1:
+            return 0.0
+        if all(r.req.gate.first_rate() is None for r in decoding):
             return 0.0
         fixed = len(decoding) + prefill
         curve = self._curve(decoding)
@@ -437,6 +488,8 @@ class Scheduler:
                 out.append((running, finish_round(running.req, planned, logits[i], mine)))
             except Exception as exc:  # this request's own failure
                 self._fail(running, exc)
+                continue
+            _trace_phases(running.req, work.phases.get(id(running), {}))
         for j, (running, rows) in enumerate(work.chunks):
             a, b = spans[len(work.rounds) + j]
             mine = self._captured(running.req, captured, capture, a, b)
@@ -522,7 +575,7 @@ class Scheduler:
             self.prefix.store(req.history[: min(len(req.history), req.cache.length)], req.cache)
         self.running.remove(running)
         running.finished = True
-        self.generator.release(req, keep=self.config.max_running)
+        self.generator.release(req, keep=self._keep)
         return Update(running, text, result(req, self.model))
 
     def _record(self, work: _Work, t0: float) -> None:
@@ -535,6 +588,15 @@ class Scheduler:
         seconds = time.perf_counter() - t0
         self.steps.append(StepRecord(len(work.segments), rows, prefill, draft_rows,
                                      work.predicted, accepted, seconds))  # fmt: skip
+
+
+def _trace_phases(req: Request, before: dict[str, float]) -> None:
+    """The milliseconds of each phase the request spent on its latest round (`ms` of its
+    trace record), from its phase clock `before` the round."""
+    after = req.stats.phase_seconds
+    req.stats.rounds[-1].extra["ms"] = {
+        p: round(1000 * (t - before.get(p, 0.0)), 3) for p, t in after.items()
+    }
 
 
 def generate_batch(

@@ -2,9 +2,11 @@
 
 A chain is a tree with one path, so one round serves every strategy: plain decoding (the empty
 draft: the target runs on the last emitted token alone), chains (speculative, DSpark) and trees
-(SPORK). Chains keep two fast paths: the target runs them without a tree mask, and the
-vectorised chain check accepts them. `history[-1]` of the request is the last emitted token,
-not yet in the target's cache: it is the root the draft hangs below.
+(SPORK). A round is split where the scheduler (`engine.batch`) puts the target's forward of one
+or many requests: `propose`/`plan_round` before it, `round_segment` the rows it runs,
+`finish_round` after it. Chains keep two fast paths: the target runs them without a tree mask,
+and the vectorised chain check accepts them. `history[-1]` of the request is the last emitted
+token, not yet in the target's cache: it is the root the draft hangs below.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from specfork.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftShape, Feed
 from specfork.engine.request import Request
 from specfork.engine.stats import RoundRecord
 from specfork.models.base import Segment
-from specfork.models.target import TargetModel
 from specfork.sampling import probabilities
 from specfork.strategies.policies import RoundInfo
 from specfork.tree import cache_indices, children, depths, tree_mask, tree_positions
@@ -40,20 +41,6 @@ class Planned:
     draft: Draft
     allowed: torch.Tensor | None  # [N + 1, V] bool, when the request has a grammar
     start: int
-
-
-def run_round(model: TargetModel, req: Request) -> list[int]:
-    """One round of `req`; returns the tokens to emit (the accepted ones, then the target's).
-    Its record in the trace gets the milliseconds of each phase (`ms`)."""
-    before = dict(req.stats.phase_seconds)
-    planned = plan_round(req)
-    logits, hidden = verify_forward(model, req, planned.draft)  # [N + 1, V], [C, N + 1, D]
-    tokens = finish_round(req, planned, logits, hidden)
-    after = req.stats.phase_seconds
-    req.stats.rounds[-1].extra["ms"] = {
-        p: round(1000 * (t - before.get(p, 0.0)), 3) for p, t in after.items()
-    }
-    return tokens
 
 
 def plan_round(
@@ -175,36 +162,6 @@ def by_network(drafter: Drafter, draft: Draft) -> bool:
     probabilities): a plain costly drafter's drafts, a fallback's drafts it labelled with its
     own name — not those of a fallback's free source, which keep their own labels."""
     return drafter.cost > 0 and draft.source == drafter.name
-
-
-def verify_forward(
-    model: TargetModel, req: Request, draft: Draft
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's logits [N + 1, V] at the root and every node, in one forward, and the
-    outputs [C, N + 1, D] of the blocks the drafter asks for (None if it asks for none)."""
-    stats = req.stats
-    began = time.perf_counter()
-    rows = [req.history[-1], *draft.tokens.tolist()]  # the root, then the nodes
-    capture = req.drafter.hidden_layers if req.drafter is not None else ()
-    captured = None
-    if draft.is_chain and not capture:
-        t0 = stats.spend("prepare", began)
-        logits = model.extend(rows, req.cache, last_only=False)
-    elif draft.is_chain:
-        t0 = stats.spend("prepare", began)
-        logits, captured = model.extend_capturing(rows, req.cache, capture)
-    else:
-        start = req.cache.length
-        inputs = torch.tensor(rows, device=model.device)  # [N + 1]
-        mask = tree_mask(draft.tree).to(model.device)  # [N + 1, N + 1]
-        positions = tree_positions(draft.tree, start).to(model.device)  # [N + 1]
-        t0 = stats.spend("prepare", began)
-        hidden, captured = model.forward_capturing(
-            inputs[None], positions, req.cache, mask=mask, capture=capture
-        )  # [1, N + 1, D], [C, N + 1, D] or None
-        logits = model.logits(hidden[0])  # [N + 1, V]
-    stats.verify_seconds += stats.spend("forward", t0) - began
-    return logits, captured
 
 
 def accept(req: Request, draft: Draft, logits: torch.Tensor) -> Verdict:

@@ -38,7 +38,7 @@ from specfork.server.security import LOOPBACK_HOSTS, host_name
 from specfork.threads import ThreadReport
 
 if TYPE_CHECKING:
-    from specfork.engine import GenerationResult
+    from specfork.engine.lifecycle import GenerationResult
     from specfork.engine.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -577,7 +577,7 @@ class Batch(Protocol):
 
 def make_batch(engine: Engine, settings: ServerSettings) -> Batch:
     """The scheduler of a `Generator`; one job at a time for other engines."""
-    from specfork.engine import Generator
+    from specfork.engine.generator import Generator
 
     if isinstance(engine, Generator):
         rows = BatchConfig.rows_for(settings.max_running, settings.step_rows).step_rows

@@ -37,7 +37,7 @@ from specfork.loading.loader import LoadedModel
 from specfork.tools.task_prompts import Corpus, load_corpus, task_prompts
 
 if TYPE_CHECKING:
-    from specfork.engine import Generator
+    from specfork.engine.generator import Generator
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def make_data(
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write (or complete) the data set in `folder`; returns it. `progress(done, total)`."""
-    from specfork.engine import Generator
+    from specfork.engine.generator import Generator
     from specfork.heads.model import default_feature_layers
 
     model_cfg = loaded.model.config

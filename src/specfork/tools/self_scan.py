@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specfork.config import GenerationConfig, SpecConfig
-from specfork.engine import Generator
+from specfork.engine.generator import Generator
 from specfork.loading.loader import LoadedModel
 
 SAMPLE_PROMPTS = (
