@@ -40,7 +40,7 @@ HEADS = {  # with --heads: the packaged draft head (both versions must ship one)
 WORKER = r"""
 import json, sys
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.engine.generator import Generator
+from specfork import Generator  # the lazy export: both old and new versions have it
 from specfork.loading.loader import load_model
 from specfork.loading.registry import DEFAULT_MODEL
 
