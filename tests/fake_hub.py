@@ -44,8 +44,11 @@ class FakeRepo:
 
     @classmethod
     def from_folder(cls, folder: Path, **kwargs: object) -> FakeRepo:
-        files = {p.relative_to(folder).as_posix(): p.read_bytes()
-                 for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
+        files = {
+            p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*"))
+            if p.is_file()
+        }
         return cls(files=files, **kwargs)  # type: ignore[arg-type]
 
 
@@ -107,8 +110,13 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 return
             repo, commit = found
             if kind == "revision":
-                info = {"id": repo_id, "sha": commit, "private": False, "gated": False,
-                        "siblings": [{"rfilename": name} for name in repo.files]}  # fmt: skip
+                info = {
+                    "id": repo_id,
+                    "sha": commit,
+                    "private": False,
+                    "gated": False,
+                    "siblings": [{"rfilename": name} for name in repo.files],
+                }
             else:  # tree
                 info = [self._tree_entry(name, data) for name, data in repo.files.items()]
             payload = json.dumps(info).encode()
@@ -118,8 +126,11 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
         def _tree_entry(name: str, data: bytes) -> dict:
             entry = {"type": "file", "path": name, "size": len(data), "oid": _git_oid(data)}
             if name.endswith(LFS_SUFFIXES):
-                entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
-                                "pointerSize": 134}  # fmt: skip
+                entry["lfs"] = {
+                    "oid": hashlib.sha256(data).hexdigest(),
+                    "size": len(data),
+                    "pointerSize": 134,
+                }
             return entry
 
         def _resolve(self, repo_id: str, revision: str, name: str, body: bool) -> None:
@@ -129,14 +140,20 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             repo, commit = found
             headers = {"X-Repo-Commit": commit}
             if name not in repo.files:
-                self._send(404, b"Entry not found", {**headers, "X-Error-Code": "EntryNotFound"},
-                           body)  # fmt: skip
+                self._send(
+                    404, b"Entry not found", {**headers, "X-Error-Code": "EntryNotFound"}, body
+                )
                 return
             data = repo.files[name]
             if name.endswith(LFS_SUFFIXES):
                 sha = hashlib.sha256(data).hexdigest()
-                headers.update({"ETag": f'"{sha}"', "X-Linked-Etag": f'"{sha}"',
-                                "X-Linked-Size": str(len(data))})  # fmt: skip
+                headers.update(
+                    {
+                        "ETag": f'"{sha}"',
+                        "X-Linked-Etag": f'"{sha}"',
+                        "X-Linked-Size": str(len(data)),
+                    }
+                )
             else:
                 headers["ETag"] = f'"{_git_oid(data)}"'
             self._send(200, data, headers, body)

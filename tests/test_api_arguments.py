@@ -27,8 +27,9 @@ ADDING_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(str(tiny_chat_llama(tmp_path_factory.mktemp("tiny-api"), seed=3)),
-                      progress=False)  # fmt: skip
+    return load_model(
+        str(tiny_chat_llama(tmp_path_factory.mktemp("tiny-api"), seed=3)), progress=False
+    )
 
 
 @pytest.mark.parametrize(

@@ -279,8 +279,9 @@ def test_ungated_requests_verify_their_drafts_whole_in_a_batch(loaded: LoadedMod
         if not spec.goodput:
             drafted = [r.drafted for r in results[id(running)].stats.rounds]
             assert drafted == [r.drafted for r in alone.stats.rounds]
-    ungated_rows = sum(r.drafted for i, run in enumerate(runs) if i % 2 == 0
-                       for r in results[id(run)].stats.rounds)  # fmt: skip
+    ungated_rows = sum(
+        r.drafted for i, run in enumerate(runs) if i % 2 == 0 for r in results[id(run)].stats.rounds
+    )
     assert ungated_rows > 0  # the repetitive prompts draft
 
 

@@ -36,8 +36,11 @@ def test_spec_parsing() -> None:
     s = parse_strategy("speculative:ngram?k=4&k_policy=heuristic")
     assert s.label == "speculative:ngram?k=4&k_policy=heuristic" and s.family == "specfork"
     assert (s.spec.strategy, s.spec.drafter, s.spec.k, s.spec.k_policy) == (
-        "speculative", "ngram", 4, "heuristic",
-    )  # fmt: skip
+        "speculative",
+        "ngram",
+        4,
+        "heuristic",
+    )
     assert parse_strategy("ar").is_plain
     assert parse_strategy("speculative").spec.drafter == "ngram"  # the SpecConfig default
     m = parse_strategy("speculative:model:/some/draft.gguf?k=3")
@@ -116,8 +119,10 @@ def _jsonl(path: Path, rows: list) -> Path:
 
 
 def test_prompt_file_and_selection(tmp_path: Path) -> None:
-    rows = [{"question_id": i, "category": c, "turns": [f"q{i}", "second turn"]}
-            for i, c in enumerate(["a", "a", "b", "a", "c", "b"])]  # fmt: skip
+    rows = [
+        {"question_id": i, "category": c, "turns": [f"q{i}", "second turn"]}
+        for i, c in enumerate(["a", "a", "b", "a", "c", "b"])
+    ]
     path = _jsonl(tmp_path / "p.jsonl", [rows[0], "", *rows[1:]])  # a blank line is skipped
     prompts = load_prompts(path)
     assert [p.text for p in prompts] == [f"q{i}" for i in range(6)]
@@ -149,13 +154,15 @@ def test_prompt_files_in_three_formats(tmp_path: Path) -> None:
     text = tmp_path / "prompts.txt"
     text.write_text("First prompt.\n\n  Second, with {braces}.\n")
     assert [(p.text, p.category) for p in load_prompts(text)] == [
-        ("First prompt.", "text"), ("Second, with {braces}.", "text"),
-    ]  # fmt: skip
+        ("First prompt.", "text"),
+        ("Second, with {braces}.", "text"),
+    ]
     simple = tmp_path / "simple.jsonl"
     simple.write_text('{"prompt": "Hello"}\n{"prompt": "Bye", "category": "qa"}\n')
     assert [(p.text, p.category) for p in load_prompts(simple)] == [
-        ("Hello", "uncategorized"), ("Bye", "qa"),
-    ]  # fmt: skip
+        ("Hello", "uncategorized"),
+        ("Bye", "qa"),
+    ]
     bare = tmp_path / "prompts"  # no suffix: JSON when the first line is an object
     bare.write_text('{"turns": ["A", "B"]}\n')
     assert [p.text for p in load_prompts(bare)] == ["A"]
@@ -180,9 +187,15 @@ def _fake(label: str, calls: list, tps: float = 10.0, fail_on: int | None = None
         calls.append((label, ids[0]))
         if fail_on is not None and ids[0] == fail_on:
             raise RuntimeError("boom")
-        return RunOutput(token_ids=[1, 2, 3], new_tokens=3, decode_tokens_per_second=tps,
-                         time_to_first_token=0.01, target_forwards=2, drafted=4,
-                         accepted=2)  # fmt: skip
+        return RunOutput(
+            token_ids=[1, 2, 3],
+            new_tokens=3,
+            decode_tokens_per_second=tps,
+            time_to_first_token=0.01,
+            target_forwards=2,
+            drafted=4,
+            accepted=2,
+        )
 
     return BenchStrategy(label, "specfork", run)
 
@@ -246,17 +259,24 @@ def test_first_divergence_and_near_tie_rule() -> None:
 
 
 def _m(seq: int, label: str, prompt: int, ids: list[int], tps: float) -> Measurement:
-    out = RunOutput(token_ids=ids, new_tokens=len(ids), decode_tokens_per_second=tps,
-                    time_to_first_token=0.1, target_forwards=len(ids) - 1)  # fmt: skip
+    out = RunOutput(
+        token_ids=ids,
+        new_tokens=len(ids),
+        decode_tokens_per_second=tps,
+        time_to_first_token=0.1,
+        target_forwards=len(ids) - 1,
+    )
     return Measurement(seq, label, prompt, prompt, "cat" if prompt else "dog", 0, True, output=out)
 
 
 def test_match_rates_and_medians_from_measurements() -> None:
     prompts = _prompts(2, ("dog", "cat"))
     ms = [
-        _m(0, "ar", 0, [1, 2, 3, 4], 10.0), _m(1, "spec", 0, [1, 2, 3, 4], 20.0),
-        _m(2, "ar", 1, [5, 6, 7, 8], 10.0), _m(3, "spec", 1, [5, 6, 9, 9], 5.0),
-    ]  # fmt: skip
+        _m(0, "ar", 0, [1, 2, 3, 4], 10.0),
+        _m(1, "spec", 0, [1, 2, 3, 4], 20.0),
+        _m(2, "ar", 1, [5, 6, 7, 8], 10.0),
+        _m(3, "spec", 1, [5, 6, 9, 9], 5.0),
+    ]
     contexts = []
 
     def gap_fn(ctx: list[int]) -> float:
@@ -283,15 +303,30 @@ def test_round_efficiency_and_where_the_time_goes() -> None:
     decode time over its forwards) over the run's decode time; shares of decode time by phase,
     the rest as "other"."""
     prompts = _prompts(1, ("dog",))
-    plain = RunOutput(token_ids=[1] * 11, new_tokens=11, decode_tokens_per_second=10.0,
-                      time_to_first_token=0.1, target_forwards=10, decode_seconds=1.0,
-                      phase_seconds={"forward": 0.8}, plain_steps=10.0)  # fmt: skip
-    spec = RunOutput(token_ids=[1] * 11, new_tokens=11, decode_tokens_per_second=12.5,
-                     time_to_first_token=0.1, target_forwards=4, decode_seconds=0.8,
-                     phase_seconds={"draft": 0.2, "forward": 0.4, "learn": 0.04},
-                     plain_steps=6.0)  # fmt: skip
-    ms = [Measurement(0, "ar", 0, 0, "dog", 0, True, output=plain),
-          Measurement(1, "spec", 0, 0, "dog", 0, True, output=spec)]  # fmt: skip
+    plain = RunOutput(
+        token_ids=[1] * 11,
+        new_tokens=11,
+        decode_tokens_per_second=10.0,
+        time_to_first_token=0.1,
+        target_forwards=10,
+        decode_seconds=1.0,
+        phase_seconds={"forward": 0.8},
+        plain_steps=10.0,
+    )
+    spec = RunOutput(
+        token_ids=[1] * 11,
+        new_tokens=11,
+        decode_tokens_per_second=12.5,
+        time_to_first_token=0.1,
+        target_forwards=4,
+        decode_seconds=0.8,
+        phase_seconds={"draft": 0.2, "forward": 0.4, "learn": 0.04},
+        plain_steps=6.0,
+    )
+    ms = [
+        Measurement(0, "ar", 0, 0, "dog", 0, True, output=plain),
+        Measurement(1, "spec", 0, 0, "dog", 0, True, output=spec),
+    ]
     rows = {r["strategy"]: r for r in per_prompt_figures(ms, ["ar", "spec"], prompts)}
     assert rows["ar"]["round_efficiency"] == pytest.approx(1.0)
     assert rows["spec"]["round_efficiency"] == pytest.approx(6 * 0.1 / 0.8)  # 0.75
@@ -301,8 +336,9 @@ def test_round_efficiency_and_where_the_time_goes() -> None:
     assert rows["ar"]["share_draft"] == 0.0 and rows["ar"]["share_other"] == pytest.approx(0.2)
     summary = summarize(list(rows.values()), ["ar", "spec"], ["dog"])
     assert summary["spec"]["overall"]["round_efficiency"] == pytest.approx(0.75)
-    no_split = RunOutput(token_ids=[1], new_tokens=1, decode_tokens_per_second=1.0,
-                         time_to_first_token=0.1)  # another engine: no phases  # fmt: skip
+    no_split = RunOutput(
+        token_ids=[1], new_tokens=1, decode_tokens_per_second=1.0, time_to_first_token=0.1
+    )  # another engine: no phases
     other = Measurement(2, "hf", 0, 0, "dog", 0, True, output=no_split)
     assert other.figure("forward_share") is None and other.figure("share_other") is None
 
@@ -346,32 +382,73 @@ def test_bad_input_fails_before_loading(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("one_thread")
 def test_bench_end_to_end(tiny_folder: Path, tmp_path: Path, capsys) -> None:
-    prompts = _jsonl(tmp_path / "p.jsonl", [
-        {"question_id": 1, "category": "summarization",
-         "turns": ["Repeat: the cat sat on the mat, the cat sat on the mat."]},
-        {"question_id": 2, "category": "qa", "turns": ["Why is the sky blue?"]},
-        {"question_id": 3, "category": "qa", "turns": ["Not picked: --per-category 1"]},
-    ])  # fmt: skip
+    prompts = _jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {
+                "question_id": 1,
+                "category": "summarization",
+                "turns": ["Repeat: the cat sat on the mat, the cat sat on the mat."],
+            },
+            {"question_id": 2, "category": "qa", "turns": ["Why is the sky blue?"]},
+            {"question_id": 3, "category": "qa", "turns": ["Not picked: --per-category 1"]},
+        ],
+    )
     out = tmp_path / "out"
-    argv = ["--model", str(tiny_folder), "--dtype", "float32", "--device", "cpu",
-            "--prompts", str(prompts), "--per-category", "1", "-n", "8", "--ignore-eos",
-            "--repeats", "2", "--out", str(out), "--quiet", "--strategies",
-            "speculative:ngram?k=3,speculative:self?self_layers=0-1&k=2&goodput=false,hf:ar,"
-            "hf:prompt-lookup?k=3,hf:assisted?k=2"]  # fmt: skip
+    argv = [
+        "--model",
+        str(tiny_folder),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--prompts",
+        str(prompts),
+        "--per-category",
+        "1",
+        "-n",
+        "8",
+        "--ignore-eos",
+        "--repeats",
+        "2",
+        "--out",
+        str(out),
+        "--quiet",
+        "--strategies",
+        "speculative:ngram?k=3,speculative:self?self_layers=0-1&k=2&goodput=false,hf:ar,"
+        "hf:prompt-lookup?k=3,hf:assisted?k=2",
+    ]
     code = bench_command.run(_args(*argv), Console(stderr=True, width=200))
     stdout = capsys.readouterr().out
     assert code == 0
     assert "speedup by category" in stdout and "hf:prompt-lookup?k=3" in stdout
     doc = load_results(out)
     assert (out / "results.json.gz").read_bytes()[:2] == b"\x1f\x8b"  # gzip
-    assert set(doc) >= {"schema", "created", "machine", "settings", "reference", "notes",
-                        "categories", "strategies", "prompts", "measurements", "per_prompt",
-                        "summary"}  # fmt: skip
+    assert set(doc) >= {
+        "schema",
+        "created",
+        "machine",
+        "settings",
+        "reference",
+        "notes",
+        "categories",
+        "strategies",
+        "prompts",
+        "measurements",
+        "per_prompt",
+        "summary",
+    }
     assert doc["schema"] == "specfork-bench/1" and doc["reference"] == "ar"
     assert set(doc["machine"]) >= {"cpu", "threads", "torch", "dtype", "specfork", "command"}
     assert doc["machine"]["dtype"] == "float32"
-    labels = ["ar", "speculative:ngram?k=3", "speculative:self?self_layers=0-1&k=2&goodput=false",
-              "hf:ar", "hf:prompt-lookup?k=3", "hf:assisted?k=2"]  # fmt: skip
+    labels = [
+        "ar",
+        "speculative:ngram?k=3",
+        "speculative:self?self_layers=0-1&k=2&goodput=false",
+        "hf:ar",
+        "hf:prompt-lookup?k=3",
+        "hf:assisted?k=2",
+    ]
     assert [s["label"] for s in doc["strategies"]] == labels
     assert all(s["status"] == "ok" for s in doc["strategies"]), doc["strategies"]
     assert any("added" in n for n in doc["notes"])
@@ -393,8 +470,10 @@ def test_bench_end_to_end(tiny_folder: Path, tmp_path: Path, capsys) -> None:
     for label in labels[:3]:  # specfork's strategies: the split of their decode time
         cell = doc["summary"][label]["overall"]
         assert 0 < cell["forward_share"] <= 1 and cell["round_efficiency"] > 0
-        shares = [cell[f"share_{p}"] for p in ("draft", "prepare", "forward", "accept",
-                                                "commit", "learn", "other")]  # fmt: skip
+        shares = [
+            cell[f"share_{p}"]
+            for p in ("draft", "prepare", "forward", "accept", "commit", "learn", "other")
+        ]
         assert sum(shares) == pytest.approx(1.0, abs=0.05)
     assert doc["summary"]["hf:ar"]["overall"]["forward_share"] is None
     for label in labels:
@@ -422,12 +501,18 @@ def test_failed_strategy_is_recorded(tiny_folder: Path) -> None:
     loaded = load_model(str(tiny_folder), dtype="float32", device="cpu", progress=False)
     settings = BenchSettings(
         parse_strategies("speculative:model:/no/such/draft.gguf,speculative:ngram?k=2"),
-        [BenchPrompt(1, "qa", "Hello there")], max_new_tokens=4, repeats=1, warmup=0,
-    )  # fmt: skip
+        [BenchPrompt(1, "qa", "Hello there")],
+        max_new_tokens=4,
+        repeats=1,
+        warmup=0,
+    )
     results = run_benchmark(settings, loaded=loaded, show_progress=False)
     status = {s.label: s.status for s in results.strategies}
-    assert status == {"ar": "ok", "speculative:model:/no/such/draft.gguf": "failed",
-                      "speculative:ngram?k=2": "ok"}  # fmt: skip
+    assert status == {
+        "ar": "ok",
+        "speculative:model:/no/such/draft.gguf": "failed",
+        "speculative:ngram?k=2": "ok",
+    }
     assert any("/no/such/draft.gguf" in n for n in results.notes)
     assert len(results.measurements) == 2
     gap = top2_gap(loaded, results.prompts[0].ids)
@@ -456,11 +541,21 @@ def test_seeded_sampled_runs_are_judged_token_for_token(tiny_folder: Path) -> No
     prompts = [BenchPrompt(1, "qa", "abc abc abc abc"), BenchPrompt(2, "qa", "one two one two")]
     strategies = parse_strategies("speculative:ngram?k=3,spork:recycle+ngram")
     for seed, judged in ((5, True), (None, False)):
-        settings = BenchSettings(strategies, prompts, max_new_tokens=12, repeats=1, warmup=0,
-                                 temperature=0.9, seed=seed, ignore_eos=True)  # fmt: skip
+        settings = BenchSettings(
+            strategies,
+            prompts,
+            max_new_tokens=12,
+            repeats=1,
+            warmup=0,
+            temperature=0.9,
+            seed=seed,
+            ignore_eos=True,
+        )
         results = run_benchmark(settings, loaded=loaded, show_progress=False)
-        rates = {label: results.summary[label]["overall"]["greedy_match_rate"]
-                 for label in ("ar", *(s.label for s in strategies))}  # fmt: skip
+        rates = {
+            label: results.summary[label]["overall"]["greedy_match_rate"]
+            for label in ("ar", *(s.label for s in strategies))
+        }
         assert rates == dict.fromkeys(rates, 1.0 if judged else None), rates
         assert any(("seed 5" if judged else "without a seed") in n for n in results.notes)
 
@@ -470,30 +565,67 @@ def test_dspark_and_fork_plots_from_round_dicts(tmp_path: Path) -> None:
     """The K/C trace and the fork histogram read generic round dicts with extra keys."""
 
     def rounds(extra):
-        return [{"round": i, "position": 2 * i, "k": 3 + i % 2, "drafted": 3, "accepted": 1,
-                 "emitted": 2, **extra(i)} for i in range(6)]  # fmt: skip
+        return [
+            {
+                "round": i,
+                "position": 2 * i,
+                "k": 3 + i % 2,
+                "drafted": 3,
+                "accepted": 1,
+                "emitted": 2,
+                **extra(i),
+            }
+            for i in range(6)
+        ]
 
     def measurement(label, rs):
-        return {"strategy": label, "prompt_index": 0, "ok": True, "rounds": rs,
-                "accepted_by_position": [3, 1], "drafted_by_position": [4, 4]}  # fmt: skip
+        return {
+            "strategy": label,
+            "prompt_index": 0,
+            "ok": True,
+            "rounds": rs,
+            "accepted_by_position": [3, 1],
+            "drafted_by_position": [4, 4],
+        }
 
-    summary = {label: {c: {"speedup": 1.2, "prompts": 1} for c in ("qa", "overall")}
-               for label in ("ar", "dspark:ngram", "spork:recycle")}  # fmt: skip
+    summary = {
+        label: {c: {"speedup": 1.2, "prompts": 1} for c in ("qa", "overall")}
+        for label in ("ar", "dspark:ngram", "spork:recycle")
+    }
     doc = {
-        "schema": "specfork-bench/1", "created": "now", "reference": "ar", "notes": [],
-        "machine": {"cpu": "cpu", "threads": 1, "torch": "x", "transformers": None,
-                    "specfork": "0", "dtype": "float32", "device": "cpu", "command": "c"},
-        "settings": {"model": "m", "prompts_source": "s", "max_new_tokens": 8,
-                     "ignore_eos": False, "temperature": 0.0, "warmup": 0, "repeats": 1,
-                     "near_tie_tolerance": 0.25},
-        "categories": ["qa"], "prompts": [{"index": 0}],
+        "schema": "specfork-bench/1",
+        "created": "now",
+        "reference": "ar",
+        "notes": [],
+        "machine": {
+            "cpu": "cpu",
+            "threads": 1,
+            "torch": "x",
+            "transformers": None,
+            "specfork": "0",
+            "dtype": "float32",
+            "device": "cpu",
+            "command": "c",
+        },
+        "settings": {
+            "model": "m",
+            "prompts_source": "s",
+            "max_new_tokens": 8,
+            "ignore_eos": False,
+            "temperature": 0.0,
+            "warmup": 0,
+            "repeats": 1,
+            "near_tie_tolerance": 0.25,
+        },
+        "categories": ["qa"],
+        "prompts": [{"index": 0}],
         "strategies": [{"label": x, "family": "specfork", "status": "ok"} for x in summary],
         "measurements": [
             measurement("dspark:ngram", rounds(lambda i: {"confidence": 0.9 - 0.1 * i})),
             measurement("spork:recycle", rounds(lambda i: {"fork": [0, 1, None][i % 3]})),
         ],
         "summary": summary,
-    }  # fmt: skip
+    }
     written = write_all(doc, tmp_path)
     assert {p.name for p in written["plots"]} == set(PLOT_FILES.values())
     assert all(p.stat().st_size > 1000 for p in written["plots"])
@@ -504,8 +636,13 @@ def test_help_documents_the_spec_syntax(capsys) -> None:
     with pytest.raises(SystemExit):
         _args("--help")
     out = capsys.readouterr().out
-    for words in ("strategy[:drafter][?key=value&key=value]", "k_policy", "hf:prompt-lookup",
-                  "hf:assisted?draft=", "results.json"):  # fmt: skip
+    for words in (
+        "strategy[:drafter][?key=value&key=value]",
+        "k_policy",
+        "hf:prompt-lookup",
+        "hf:assisted?draft=",
+        "results.json",
+    ):
         assert words in out, words
 
 

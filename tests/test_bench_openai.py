@@ -40,8 +40,13 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _chunk(delta: dict | None = None, finish: str | None = None, **extra: Any) -> str:
     choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
-    body = {"id": "c1", "object": "chat.completion.chunk", "model": "fake-model",
-            "choices": choices, **extra}  # fmt: skip
+    body = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "model": "fake-model",
+        "choices": choices,
+        **extra,
+    }
     return f"data: {json.dumps(body)}\n\n"
 
 
@@ -77,8 +82,9 @@ def fake_server(answers: dict[str, str], requests: list[dict], usage: bool = Tru
 
 
 def _prompt(text: str = "Hello?") -> PreparedPrompt:
-    return PreparedPrompt(0, BenchPrompt(1, "qa", text), [1, 2], 1,
-                          [{"role": "user", "content": text}], True)  # fmt: skip
+    return PreparedPrompt(
+        0, BenchPrompt(1, "qa", text), [1, 2], 1, [{"role": "user", "content": text}], True
+    )
 
 
 class Clock:
@@ -102,10 +108,12 @@ def test_openai_spec_parsing() -> None:
     assert parse_strategy("openai:https://host/v1").options["model"] is None
     specs = parse_strategies("ar,openai:http://h:1/v1#m,speculative:ngram")
     assert [x.family for x in specs] == ["specfork", "openai", "specfork"]
-    for bad, words in (("openai:localhost:8000", "http(s) API base URL"),
-                       ("openai:ftp://h/v1", "http(s) API base URL"),
-                       ("openai:http://h/v1#", "nothing after '#'"),
-                       ("openai:http://h/v1?k=3", "takes no options")):  # fmt: skip
+    for bad, words in (
+        ("openai:localhost:8000", "http(s) API base URL"),
+        ("openai:ftp://h/v1", "http(s) API base URL"),
+        ("openai:http://h/v1#", "nothing after '#'"),
+        ("openai:http://h/v1?k=3", "takes no options"),
+    ):
         with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
             parse_strategy(bad)
 
@@ -140,8 +148,11 @@ def test_tokens_from_usage_ttft_and_decode_time_at_content_chunks() -> None:
     body = requests[0]
     assert body["messages"] == [{"role": "user", "content": "Hello?"}]
     assert (body["model"], body["max_tokens"], body["temperature"], body["seed"]) == (
-        "fake-model", 32, 0.0, 3,
-    )  # fmt: skip
+        "fake-model",
+        32,
+        0.0,
+        3,
+    )
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True
 
@@ -189,14 +200,19 @@ def test_bad_servers_fail_their_rows_and_the_run_goes_on(tiny_folder: Path) -> N
         chat = f"openai:{url}/json/v1#some-model"  # the model is named: /models is not asked
         missing = f"openai:{url}#m"  # forgot the /v1
         specs = parse_strategies(",".join(["ar", dead, html, listing, chat, missing]))
-        settings = BenchSettings(specs, [BenchPrompt(1, "qa", "Hi")], max_new_tokens=4,
-                                 repeats=1, warmup=1)  # fmt: skip
+        settings = BenchSettings(
+            specs, [BenchPrompt(1, "qa", "Hi")], max_new_tokens=4, repeats=1, warmup=1
+        )
         results = run_benchmark(settings, loaded=loaded, show_progress=False)
     errors = {s.label: s.error for s in results.strategies}
     assert {s.label: s.status for s in results.strategies} == {
-        "ar": "ok", dead: "failed", html: "failed", listing: "failed", chat: "failed",
+        "ar": "ok",
+        dead: "failed",
+        html: "failed",
+        listing: "failed",
+        chat: "failed",
         missing: "failed",
-    }  # fmt: skip
+    }
     assert "cannot reach" in errors[dead] and "ConnectError" in errors[dead]
     assert "text/html" in errors[html] and "not an OpenAI-compatible API" in errors[html]
     assert "lists no models" in errors[listing]
@@ -221,9 +237,13 @@ def test_text_match_and_speedup_through_the_bench(tiny_folder: Path, tmp_path: P
     requests: list[dict] = []
     with serve_in_background(fake_server({texts[0]: ar_text}, requests)) as url:
         label = f"openai:{url}/v1"
-        settings = BenchSettings(parse_strategies(f"ar,{label}"),
-                                 [BenchPrompt(i, "qa", t) for i, t in enumerate(texts)],
-                                 max_new_tokens=12, repeats=2, warmup=1)  # fmt: skip
+        settings = BenchSettings(
+            parse_strategies(f"ar,{label}"),
+            [BenchPrompt(i, "qa", t) for i, t in enumerate(texts)],
+            max_new_tokens=12,
+            repeats=2,
+            warmup=1,
+        )
         results = run_benchmark(settings, loaded=loaded, show_progress=False)
     assert [s.status for s in results.strategies] == ["ok", "ok"]
     assert len(requests) == 1 + 2 * 2  # warm-up, then 2 prompts × 2 repeats
@@ -256,8 +276,15 @@ def test_specfork_serve_as_the_server(tiny_folder: Path, tmp_path: Path) -> None
     prompts = [BenchPrompt(1, "writing", "Say: the cat sat.", ("Again.",))]
     with serve_in_background(app) as url:
         label = f"openai:{url}/v1"
-        settings = BenchSettings(parse_strategies(f"ar,{label}"), prompts, max_new_tokens=8,
-                                 ignore_eos=True, repeats=1, warmup=1, turns="all")  # fmt: skip
+        settings = BenchSettings(
+            parse_strategies(f"ar,{label}"),
+            prompts,
+            max_new_tokens=8,
+            ignore_eos=True,
+            repeats=1,
+            warmup=1,
+            turns="all",
+        )
         results = run_benchmark(settings, loaded=loaded, show_progress=False)
     assert [s.status for s in results.strategies] == ["ok", "ok"], results.notes
     assert results.strategies[1].description["model"] == "tiny"

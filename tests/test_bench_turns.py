@@ -63,8 +63,9 @@ def _fake(label: str, calls: list, fail_turn: int | None = None) -> BenchStrateg
         if fail_turn == p.turn:
             raise RuntimeError("boom")
         answer = [ord(label[0]), p.turn]
-        return RunOutput(token_ids=answer, new_tokens=2, decode_tokens_per_second=10.0,
-                         time_to_first_token=0.01)  # fmt: skip
+        return RunOutput(
+            token_ids=answer, new_tokens=2, decode_tokens_per_second=10.0, time_to_first_token=0.01
+        )
 
     return BenchStrategy(label, "specfork", run, takes_prompt=True)
 
@@ -83,8 +84,14 @@ def _next_turn(p: PreparedPrompt, answer: RunOutput) -> PreparedPrompt:
 def test_later_turns_run_on_the_references_answer() -> None:
     calls: list = []
     strategies = [_fake("ar", calls), _fake("spec", calls), _fake("tree", calls)]
-    ms = run_interleaved(strategies, _conversations(), repeats=2, warmup=0,
-                         measure_memory=False, next_turn=_next_turn)  # fmt: skip
+    ms = run_interleaved(
+        strategies,
+        _conversations(),
+        repeats=2,
+        warmup=0,
+        measure_memory=False,
+        next_turn=_next_turn,
+    )
     turn2 = (100, ord("a"), 1, 999)  # ar's turn-1 answer: the context of everybody's turn 2
     order = ["ar", "spec", "tree", "spec", "tree", "ar"]  # the rotation, per turn
     assert calls == (
@@ -99,8 +106,9 @@ def test_later_turns_run_on_the_references_answer() -> None:
 
 def test_without_next_turn_only_first_turns_run() -> None:
     calls: list = []
-    run_interleaved([_fake("ar", calls)], _conversations(), repeats=1, warmup=0,
-                    measure_memory=False)  # fmt: skip
+    run_interleaved(
+        [_fake("ar", calls)], _conversations(), repeats=1, warmup=0, measure_memory=False
+    )
     assert [(c[1], c[2]) for c in calls] == [(0, 1), (1, 1)]
 
 
@@ -110,8 +118,9 @@ def test_reference_failure_fails_the_later_turns_of_that_prompt_only() -> None:
     strategies = [ar, _fake("spec", calls)]
     two = BenchPrompt(0, "writing", "a", ("b", "c"))
     prompts = [PreparedPrompt(0, two, [100]), PreparedPrompt(1, BenchPrompt(1, "qa", "d"), [1])]
-    ms = run_interleaved(strategies, prompts, repeats=1, warmup=0, measure_memory=False,
-                         next_turn=_next_turn)  # fmt: skip
+    ms = run_interleaved(
+        strategies, prompts, repeats=1, warmup=0, measure_memory=False, next_turn=_next_turn
+    )
     later = [m for m in ms if m.turn > 1]
     assert {(m.strategy, m.turn) for m in later} == {(s, t) for s in ("ar", "spec") for t in (2, 3)}
     assert all(not m.ok and "ar has no answer to turn 1" in (m.error or "") for m in later)
@@ -124,15 +133,24 @@ def test_figures_per_turn_against_the_same_turn_of_the_reference() -> None:
     prompts = [PreparedPrompt(0, two, [1]), PreparedPrompt(0, two, [1, 5, 6, 2], turn=2)]
 
     def m(seq: int, label: str, turn: int, ids: list[int], tps: float) -> Measurement:
-        out = RunOutput(token_ids=ids, new_tokens=len(ids), decode_tokens_per_second=tps,
-                        time_to_first_token=0.1)  # fmt: skip
+        out = RunOutput(
+            token_ids=ids,
+            new_tokens=len(ids),
+            decode_tokens_per_second=tps,
+            time_to_first_token=0.1,
+        )
         return Measurement(seq, label, 0, 0, "writing", 0, True, output=out, turn=turn)
 
-    ms = [m(0, "ar", 1, [5, 6], 10.0), m(1, "spec", 1, [5, 6], 30.0),
-          m(2, "ar", 2, [7, 8], 20.0), m(3, "spec", 2, [7, 9], 10.0)]  # fmt: skip
+    ms = [
+        m(0, "ar", 1, [5, 6], 10.0),
+        m(1, "spec", 1, [5, 6], 30.0),
+        m(2, "ar", 2, [7, 8], 20.0),
+        m(3, "spec", 2, [7, 9], 10.0),
+    ]
     contexts: list = []
-    rows = per_prompt_figures(ms, ["ar", "spec"], prompts,
-                              gap_fn=lambda ctx: contexts.append(ctx) or 9.0)  # fmt: skip
+    rows = per_prompt_figures(
+        ms, ["ar", "spec"], prompts, gap_fn=lambda ctx: contexts.append(ctx) or 9.0
+    )
     spec = {r["turn"]: r for r in rows if r["strategy"] == "spec"}
     assert spec[1]["speedup"] == 3.0 and spec[1]["greedy_match"] == "exact"
     assert spec[2]["speedup"] == 0.5 and spec[2]["greedy_match"] == "differs"
@@ -154,10 +172,13 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def _prompt_file(tmp_path: Path) -> Path:
     rows = [
-        {"question_id": 7, "category": "writing",
-         "turns": ["Say: the cat sat on the mat.", "Again, shorter."]},
+        {
+            "question_id": 7,
+            "category": "writing",
+            "turns": ["Say: the cat sat on the mat.", "Again, shorter."],
+        },
         {"question_id": 8, "category": "qa", "turns": ["Why is the sky blue?"]},
-    ]  # fmt: skip
+    ]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -166,10 +187,28 @@ def _prompt_file(tmp_path: Path) -> Path:
 @pytest.mark.usefixtures("one_thread")
 def test_multi_turn_bench_end_to_end(tiny_folder: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
-    argv = ["--model", str(tiny_folder), "--dtype", "float32", "--device", "cpu",
-            "--prompts", str(_prompt_file(tmp_path)), "-n", "6", "--ignore-eos",
-            "--repeats", "2", "--turns", "all", "--out", str(out), "--quiet",
-            "--strategies", "ar,speculative:ngram?k=3,spork:recycle+ngram,hf:ar"]  # fmt: skip
+    argv = [
+        "--model",
+        str(tiny_folder),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--prompts",
+        str(_prompt_file(tmp_path)),
+        "-n",
+        "6",
+        "--ignore-eos",
+        "--repeats",
+        "2",
+        "--turns",
+        "all",
+        "--out",
+        str(out),
+        "--quiet",
+        "--strategies",
+        "ar,speculative:ngram?k=3,spork:recycle+ngram,hf:ar",
+    ]
     assert bench_command.run(_args(*argv), Console(stderr=True, width=200)) == 0
     stdout = capsys.readouterr().out
     assert "turn 1 (medians" in stdout and "turn 2 (medians" in stdout
@@ -194,8 +233,13 @@ def test_multi_turn_bench_end_to_end(tiny_folder: Path, tmp_path: Path, capsys) 
     assert turn2["speculative:ngram?k=3"]["qa"]["prompts"] == 0  # the one-turn prompt
     assert doc["summary"]["ar"]["overall"]["prompts"] == 3  # every turn together
     report = (out / "report.md").read_text()
-    for heading in ("## Overall (every turn)", "## Turn 1", "## Turn 2",
-                    "### turn 2: speedup by category", "2 prompts from"):  # fmt: skip
+    for heading in (
+        "## Overall (every turn)",
+        "## Turn 1",
+        "## Turn 2",
+        "### turn 2: speedup by category",
+        "2 prompts from",
+    ):
         assert heading in report, heading
 
 
@@ -205,23 +249,32 @@ def test_turn_two_context_is_ars_turn_one_answer(tiny_folder: Path) -> None:
 
     loaded = load_model(str(tiny_folder), dtype="float32", device="cpu", progress=False)
     prompt = BenchPrompt(1, "writing", "Say: the cat sat.", ("Again.",))
-    settings = BenchSettings(parse_strategies("ar,speculative:ngram?k=2"), [prompt],
-                             max_new_tokens=5, ignore_eos=True, repeats=1, warmup=0,
-                             turns="all")  # fmt: skip
+    settings = BenchSettings(
+        parse_strategies("ar,speculative:ngram?k=2"),
+        [prompt],
+        max_new_tokens=5,
+        ignore_eos=True,
+        repeats=1,
+        warmup=0,
+        turns="all",
+    )
     results = run_benchmark(settings, loaded=loaded, show_progress=False)
     t1, t2 = results.prompts
     ar1 = next(m for m in results.measurements if m.strategy == "ar" and m.turn == 1)
     answer = loaded.tokenizer.decode(ar1.output.token_ids, skip_special_tokens=True)
-    assert t2.messages == [{"role": "user", "content": "Say: the cat sat."},
-                           {"role": "assistant", "content": answer},
-                           {"role": "user", "content": "Again."}]  # fmt: skip
+    assert t2.messages == [
+        {"role": "user", "content": "Say: the cat sat."},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "Again."},
+    ]
     rendered = loaded.tokenizer.apply_chat_template(t2.messages, add_generation_prompt=True)
     assert t2.ids == loaded.tokenizer.encode(rendered)
     assert (t1.turn, t2.turn) == (1, 2)
     assert results.summary_by_turn is not None and set(results.summary_by_turn) == {"1", "2"}
     # --turns first (the default): the same prompt has only its first turn measured
-    first_only = BenchSettings(parse_strategies("ar"), [prompt], max_new_tokens=5, repeats=1,
-                               warmup=0)  # fmt: skip
+    first_only = BenchSettings(
+        parse_strategies("ar"), [prompt], max_new_tokens=5, repeats=1, warmup=0
+    )
     results = run_benchmark(first_only, loaded=loaded, show_progress=False)
     assert [m.turn for m in results.measurements] == [1]
     assert results.summary_by_turn is None and "summary_by_turn" not in results.to_dict()
@@ -233,8 +286,14 @@ def test_all_turns_need_a_chat_template(tmp_path: Path) -> None:
 
     folder = tiny_chat_llama(tmp_path, chat=False)
     loaded = load_model(str(folder), dtype="float32", device="cpu", progress=False)
-    settings = BenchSettings(parse_strategies("ar"), [BenchPrompt(1, "w", "Hi", ("More",))],
-                             max_new_tokens=3, repeats=1, warmup=0, turns="all")  # fmt: skip
+    settings = BenchSettings(
+        parse_strategies("ar"),
+        [BenchPrompt(1, "w", "Hi", ("More",))],
+        max_new_tokens=3,
+        repeats=1,
+        warmup=0,
+        turns="all",
+    )
     with pytest.raises(ConfigError, match="no chat template; use --turns first"):
         run_benchmark(settings, loaded=loaded, show_progress=False)
 
@@ -247,8 +306,14 @@ def test_a_turn_that_cannot_be_built_is_a_note(tiny_folder: Path) -> None:
 
     loaded = load_model(str(tiny_folder), dtype="float32", device="cpu", progress=False)
     prompts = [BenchPrompt(5, "w", "Hi", ("x" * 30_000,)), BenchPrompt(6, "qa", "Why?")]
-    settings = BenchSettings(parse_strategies("ar,speculative:ngram?k=2"), prompts,
-                             max_new_tokens=3, repeats=1, warmup=0, turns="all")  # fmt: skip
+    settings = BenchSettings(
+        parse_strategies("ar,speculative:ngram?k=2"),
+        prompts,
+        max_new_tokens=3,
+        repeats=1,
+        warmup=0,
+        turns="all",
+    )
     results = run_benchmark(settings, loaded=loaded, show_progress=False)
     failed = [m for m in results.measurements if not m.ok]
     assert [(m.strategy, m.turn) for m in failed] == [("ar", 2), ("speculative:ngram?k=2", 2)]

@@ -79,8 +79,15 @@ def _fill(tmp_path: Path) -> tuple[Path, dict[str, Path], set[str]]:
     for lock in (folder / "models" / "model.gguf.lock", folder / "kernels" / f".{KEY}.lock"):
         lock.write_text("")  # atomic.exclusive's lock files: not entries, even when old
         _age(lock, 2 * 3600)
-    stale = {"packed_other_build", "changed", "gone", "unnamed", "old_build", "left_tmp",
-             "old_curve"}  # fmt: skip
+    stale = {
+        "packed_other_build",
+        "changed",
+        "gone",
+        "unnamed",
+        "old_build",
+        "left_tmp",
+        "old_curve",
+    }
     return folder, e, stale
 
 

@@ -34,8 +34,22 @@ def test_batch_file_outputs_equal_lone_generations(
     ]
     batch = tmp_path / "prompts.jsonl"
     batch.write_text("\ufeff" + "\n".join(lines) + "\n")  # an editor's BOM is not a prompt
-    argv = ["generate", "-m", str(folder), "--batch", str(batch), "-n", "8", "--ignore-eos",
-            "--max-running", "2", "--strategy", "speculative", "--drafter", "ngram"]  # fmt: skip
+    argv = [
+        "generate",
+        "-m",
+        str(folder),
+        "--batch",
+        str(batch),
+        "-n",
+        "8",
+        "--ignore-eos",
+        "--max-running",
+        "2",
+        "--strategy",
+        "speculative",
+        "--drafter",
+        "ngram",
+    ]
     code, out, err = run_cli(capsys, argv)
     assert code == 0, err
     records = [json.loads(line) for line in out.splitlines()]
@@ -81,9 +95,13 @@ def test_batch_file_outputs_equal_lone_generations(
     ],
 )
 def test_bad_batch_files_and_flags_are_one_line_errors(
-    folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str,
-    extra: list[str], message: str,
-) -> None:  # fmt: skip
+    folder: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    content: str,
+    extra: list[str],
+    message: str,
+) -> None:
     batch = tmp_path / "b.jsonl"
     batch.write_text(content)
     extra = [str(tmp_path / x) if x == "t.jsonl" else x for x in extra]
@@ -107,9 +125,12 @@ def test_bad_batch_files_and_flags_are_one_line_errors(
     ],
 )
 def test_flags_a_single_prompt_would_ignore_are_refused(
-    folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
+    folder: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
     message: str,
-) -> None:  # fmt: skip
+) -> None:
     argv = ["generate", "-m", str(folder), "-n", "2", *extra, "hello"]
     code, out, err = run_cli(capsys, argv)
     assert code == 2 and out == "" and message in err, err

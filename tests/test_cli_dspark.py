@@ -51,9 +51,23 @@ def dspark_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     trace = tmp_path_factory.mktemp("dspark") / "trace.jsonl"
     # ungated (--no-goodput): the gate weighs drafts by timed costs, and on a slow or loaded
     # machine it may trim every draft, leaving no accepted round to check
-    argv = ["generate", "--dtype", "float32", "--strategy", "dspark", "--drafter", "ngram",
-            "--no-goodput", "-n", "40", "--ignore-eos", "--trace", str(trace), "-q",
-            PROMPT]  # fmt: skip
+    argv = [
+        "generate",
+        "--dtype",
+        "float32",
+        "--strategy",
+        "dspark",
+        "--drafter",
+        "ngram",
+        "--no-goodput",
+        "-n",
+        "40",
+        "--ignore-eos",
+        "--trace",
+        str(trace),
+        "-q",
+        PROMPT,
+    ]
     assert main(argv) == 0
     return trace
 

@@ -45,8 +45,18 @@ def test_unknown_policy_is_a_usage_error(capsys) -> None:
 
 @pytest.mark.slow
 def test_self_layers_out_of_range(capsys) -> None:
-    argv = ["generate", "--strategy", "speculative", "--drafter", "self",
-            "--self-layers", "0-99", "-n", "4", PROMPT]  # fmt: skip
+    argv = [
+        "generate",
+        "--strategy",
+        "speculative",
+        "--drafter",
+        "self",
+        "--self-layers",
+        "0-99",
+        "-n",
+        "4",
+        PROMPT,
+    ]
     code, _, err = _run(capsys, argv)
     assert code == 2 and "0-29" in err and "out of range" in err
 
@@ -54,9 +64,24 @@ def test_self_layers_out_of_range(capsys) -> None:
 @pytest.mark.slow
 def test_trace_file_schema_and_stats(capsys, tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
-    argv = ["generate", "--dtype", "float32", "--strategy", "speculative", "--drafter", "ngram",
-            "--k", "3", "-n", "24", "--ignore-eos", "--stats", "--trace", str(trace),
-            PROMPT]  # fmt: skip
+    argv = [
+        "generate",
+        "--dtype",
+        "float32",
+        "--strategy",
+        "speculative",
+        "--drafter",
+        "ngram",
+        "--k",
+        "3",
+        "-n",
+        "24",
+        "--ignore-eos",
+        "--stats",
+        "--trace",
+        str(trace),
+        PROMPT,
+    ]
     code, out, err = _run(capsys, argv)
     assert code == 0 and out.strip()
     records = [json.loads(line) for line in trace.read_text().splitlines()]
@@ -111,12 +136,26 @@ def test_prompt_file_errors_name_the_line(tmp_path: Path) -> None:
 def test_draft_model_with_another_vocabulary(capsys, tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, vocab_size=100)  # fmt: skip
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=100,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tiny")
-    argv = ["generate", "--strategy", "speculative", "--drafter", f"model:{tmp_path / 'tiny'}",
-            "-n", "4", PROMPT]  # fmt: skip
+    argv = [
+        "generate",
+        "--strategy",
+        "speculative",
+        "--drafter",
+        f"model:{tmp_path / 'tiny'}",
+        "-n",
+        "4",
+        PROMPT,
+    ]
     code, _, err = _run(capsys, argv)
     assert code == 2
     assert "(100 tokens)" in err and "(49152 tokens)" in err

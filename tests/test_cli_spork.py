@@ -58,9 +58,23 @@ def test_spork_trace_and_stats(capsys, tmp_path: Path, lossy: bool) -> None:
     trace = tmp_path / "t.jsonl"
     # ungated (--no-goodput): the gate weighs trees by timed costs, and on a slow or loaded
     # machine it may skip every tree, leaving no accepted round to check
-    argv = ["generate", "--dtype", "float32", "--strategy", "spork", "--drafter", "recycle+ngram",
-            "--no-goodput", "-n", "32", "--ignore-eos", "--stats", "--trace", str(trace),
-            PROMPT]  # fmt: skip
+    argv = [
+        "generate",
+        "--dtype",
+        "float32",
+        "--strategy",
+        "spork",
+        "--drafter",
+        "recycle+ngram",
+        "--no-goodput",
+        "-n",
+        "32",
+        "--ignore-eos",
+        "--stats",
+        "--trace",
+        str(trace),
+        PROMPT,
+    ]
     code, out, err = _run(capsys, argv + (["--lossy-typical"] if lossy else []))
     assert code == 0 and out.strip(), err
     records = [json.loads(line) for line in trace.read_text().splitlines()]
@@ -78,9 +92,27 @@ def test_spork_trace_and_stats(capsys, tmp_path: Path, lossy: bool) -> None:
 def test_self_drafted_dynamic_tree_traces_its_model_depth(capsys, tmp_path: Path) -> None:
     """EAGLE-2 trees from the target's own layers; their depth adapts by cost (in the trace)."""
     trace = tmp_path / "t.jsonl"
-    argv = ["generate", "--dtype", "float32", "--strategy", "spork", "--drafter", "self",
-            "--skip-layers", "10-19", "--tree", "dynamic", "--tau-max", "0.1",
-            "-n", "24", "--ignore-eos", "--trace", str(trace), PROMPT]  # fmt: skip
+    argv = [
+        "generate",
+        "--dtype",
+        "float32",
+        "--strategy",
+        "spork",
+        "--drafter",
+        "self",
+        "--skip-layers",
+        "10-19",
+        "--tree",
+        "dynamic",
+        "--tau-max",
+        "0.1",
+        "-n",
+        "24",
+        "--ignore-eos",
+        "--trace",
+        str(trace),
+        PROMPT,
+    ]
     code, out, err = _run(capsys, argv)
     assert code == 0 and out.strip(), err
     records = [json.loads(line) for line in trace.read_text().splitlines()]

@@ -67,23 +67,32 @@ TREE_CHOICES = (
         ("model", CHAIN, f"unknown drafter 'model'; {CHAIN_CHOICES}"),  # its PATH is required
         ("model:", CHAIN, f"unknown drafter 'model:'; {CHAIN_CHOICES}"),
         ("ngram:x", CHAIN, f"unknown drafter 'ngram:x'; {CHAIN_CHOICES}"),  # takes no PATH
-        ("recycle", CHAIN, f"unknown drafter 'recycle'; {CHAIN_CHOICES} "
-                           "(recycle drafts trees: strategy spork)"),
-        ("ngram+recycle", strategy_kind("ar"), f"unknown drafter 'recycle'; {CHAIN_CHOICES} "
-                                               "(recycle drafts trees: strategy spork)"),
+        (
+            "recycle",
+            CHAIN,
+            f"unknown drafter 'recycle'; {CHAIN_CHOICES} (recycle drafts trees: strategy spork)",
+        ),
+        (
+            "ngram+recycle",
+            strategy_kind("ar"),
+            f"unknown drafter 'recycle'; {CHAIN_CHOICES} (recycle drafts trees: strategy spork)",
+        ),
         ("recycle+bogus", TREE, f"unknown spork drafter 'bogus'; {TREE_CHOICES}"),
         ("+", TREE, f"unknown spork drafter ''; {TREE_CHOICES}"),
         ("recycle:x", TREE, f"unknown spork drafter 'recycle:x'; {TREE_CHOICES}"),
         ("ngram+ngram", CHAIN, "drafter 'ngram+ngram' names a source twice; name each once"),
-        ("recycle+ngram+recycle", TREE,
-         "drafter 'recycle+ngram+recycle' names a source twice; name each once"),
+        (
+            "recycle+ngram+recycle",
+            TREE,
+            "drafter 'recycle+ngram+recycle' names a source twice; name each once",
+        ),
         ("head+head:", CHAIN, "drafter 'head+head:' names a source twice; name each once"),
         ("model:a+model:a", TREE, "drafter 'model:a+model:a' names a source twice; name each once"),
         (3, CHAIN, "drafter must be a string such as 'ngram', got 3"),
         (["ngram"], TREE, "drafter must be a string such as 'ngram', got ['ngram']"),
         (None, CHAIN, "drafter must be a string such as 'ngram', got None"),
     ],
-)  # fmt: skip
+)
 def test_every_mistake_says_what_is_valid(text, strategy, message) -> None:
     with pytest.raises(ConfigError) as err:
         parse_drafter(text, strategy)
@@ -116,8 +125,9 @@ def test_a_source_is_a_frozen_value() -> None:
 
 
 def _source_of(kind) -> st.SearchStrategy[DraftSource]:
-    paths = st.text(st.characters(exclude_characters="+", exclude_categories=("Cs",)),
-                    min_size=1, max_size=12)  # fmt: skip
+    paths = st.text(
+        st.characters(exclude_characters="+", exclude_categories=("Cs",)), min_size=1, max_size=12
+    )
     path = {"none": st.none(), "optional": st.none() | paths, "required": paths}[kind.path]
     return path.map(lambda p: DraftSource(kind.name, p))
 
@@ -169,8 +179,11 @@ def test_strategy_properties_follow_the_catalog() -> None:
 def test_layers_need_the_self_drafter_among_the_sources() -> None:
     SpecConfig("spork", "recycle+self", self_layers="0-1")
     SpecConfig("speculative", "ngram+self", skip_layers="1")
-    with pytest.raises(ConfigError, match=r"self_layers .* drafter is 'ngram\+head'; use drafter "
-                                          r"self, or leave self_layers out"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"self_layers .* drafter is 'ngram\+head'; use drafter "
+        r"self, or leave self_layers out",
+    ):
         SpecConfig("speculative", "ngram+head", self_layers="0-1")
     with pytest.raises(ConfigError, match=r"or add it: e.g. recycle\+self"):
         SpecConfig("spork", "recycle+ngram", skip_layers="1")

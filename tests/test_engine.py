@@ -659,8 +659,9 @@ def test_a_rounds_time_is_split_by_phase(tmp_path_factory: pytest.TempPathFactor
     milliseconds, and the shares of the decode time add up to one with "other"."""
     from specfork.engine.stats import PHASES
 
-    loaded = load_model(str(tiny_chat_llama(tmp_path_factory.mktemp("tiny-phases"))),
-                        progress=False)  # fmt: skip
+    loaded = load_model(
+        str(tiny_chat_llama(tmp_path_factory.mktemp("tiny-phases"))), progress=False
+    )
     spec = SpecConfig("spork", "recycle+ngram")
     result = Generator(loaded, spec=spec).generate(
         "1 2 3 1 2 3 1 2 3", config=GenerationConfig(max_new_tokens=16, ignore_eos=True)

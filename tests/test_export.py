@@ -125,8 +125,14 @@ def _assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str, atol: float 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_exported_folder_matches_specfork(folders, tmp_path: Path, name: str) -> None:
     out = export_model(ModelExport(str(folders[name]), tmp_path / "out"))
-    expected = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                "generation_config.json", "special_tokens_map.json"}  # fmt: skip
+    expected = {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "special_tokens_map.json",
+    }
     assert expected <= {p.name for p in out.iterdir()}
     config = json.loads((out / "config.json").read_text())
     arch = "LlamaForCausalLM" if name == "llama" else "Gemma3ForCausalLM"
@@ -196,12 +202,14 @@ def test_bfloat16_export_halves_the_weights(folders, tmp_path: Path) -> None:
 
 def test_export_model_refuses_a_non_empty_out(folders, tmp_path: Path, capsys) -> None:
     (tmp_path / "keep.txt").write_text("mine")
-    code, _, err = run_cli(capsys, ["export-model", "-m", str(folders["llama"]),
-                                    "--out", str(tmp_path)])  # fmt: skip
+    code, _, err = run_cli(
+        capsys, ["export-model", "-m", str(folders["llama"]), "--out", str(tmp_path)]
+    )
     assert code == 2 and "not empty" in err and "--force" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
-    code, _, err = run_cli(capsys, ["export-model", "-m", str(folders["llama"]),
-                                    "--out", str(tmp_path), "--force"])  # fmt: skip
+    code, _, err = run_cli(
+        capsys, ["export-model", "-m", str(folders["llama"]), "--out", str(tmp_path), "--force"]
+    )
     assert code == 0 and (tmp_path / "model.safetensors").is_file()
     assert (tmp_path / "keep.txt").read_text() == "mine"
     with pytest.raises(ConfigError, match="dtype"):
@@ -211,9 +219,16 @@ def test_export_model_refuses_a_non_empty_out(folders, tmp_path: Path, capsys) -
 # -- export-head --------------------------------------------------------------------------------
 
 TARGET = ModelConfig(
-    arch="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=5,
-    num_heads=4, num_kv_heads=2, head_dim=16, rms_eps=1e-6,
-)  # fmt: skip
+    arch="llama",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=5,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_eps=1e-6,
+)
 LAYERS = (3, 0, 2)  # deliberately not ascending: vLLM concatenates its aux states in layer order
 
 
@@ -261,8 +276,13 @@ def eagle3_reference(
     hidden = torch.cat([aux[i] for i in sorted(ids)], dim=-1) @ w["fc.weight"].T  # [T, D]
     m = "midlayer."
     residual = hidden  # norm_before_residual: false
-    x = torch.cat((_rms(embed, w[m + "input_layernorm.weight"], eps),
-                   _rms(hidden, w[m + "hidden_norm.weight"], eps)), dim=-1)  # fmt: skip
+    x = torch.cat(
+        (
+            _rms(embed, w[m + "input_layernorm.weight"], eps),
+            _rms(hidden, w[m + "hidden_norm.weight"], eps),
+        ),
+        dim=-1,
+    )
     t = x.shape[0]
     q = (x @ w[m + "self_attn.q_proj.weight"].T).view(t, nh, hd)
     k = (x @ w[m + "self_attn.k_proj.weight"].T).view(t, nkv, hd)
@@ -349,14 +369,16 @@ def test_head_export_refuses_foreign_corrupt_and_gemma_heads(folders, tmp_path, 
 
     gemma = DraftHead(HeadConfig.for_target(replace(TARGET, arch="gemma3"), 40, LAYERS))
     save_head(gemma, tmp_path / "gemma")
-    code, _, err = run_cli(capsys, ["export-head", str(tmp_path / "gemma"), "--out",
-                                    str(tmp_path / "o5")])  # fmt: skip
+    code, _, err = run_cli(
+        capsys, ["export-head", str(tmp_path / "gemma"), "--out", str(tmp_path / "o5")]
+    )
     assert code == 2 and "Llama-family" in err
 
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    code, _, err = run_cli(capsys, ["export-head", str(tmp_path / "head"), "--out",
-                                    str(tmp_path / "full")])  # fmt: skip
+    code, _, err = run_cli(
+        capsys, ["export-head", str(tmp_path / "head"), "--out", str(tmp_path / "full")]
+    )
     assert code == 2 and "not empty" in err
 
 
@@ -381,9 +403,10 @@ def test_packaged_smollm_export_matches_specfork(smollm_f32, tmp_path: Path) -> 
     prompt = tok.apply_chat_template([{"role": "user", "content": "Name three rivers."}])
     hf_tok = AutoTokenizer.from_pretrained(out)
     rendered = hf_tok.apply_chat_template(
-        [{"role": "user", "content": "Name three rivers."}], tokenize=False,
+        [{"role": "user", "content": "Name three rivers."}],
+        tokenize=False,
         add_generation_prompt=True,
-    )  # fmt: skip
+    )
     assert rendered == prompt
     ids = tok.encode(prompt)
     assert hf_tok(prompt)["input_ids"] == ids

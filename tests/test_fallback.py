@@ -144,8 +144,9 @@ def test_the_free_source_drafts_when_the_costly_one_does_not_pay(
     costly = Source("head", [never] * 8, cost=0.3)
     fallback = FallbackDrafter([NgramDrafter(), costly])
     curve = CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.3, 2.0))
-    gen = Generator(smollm_f32, drafter=fallback, spec=SpecConfig("speculative", k=4),
-                    cost_curve=curve)  # fmt: skip
+    gen = Generator(
+        smollm_f32, drafter=fallback, spec=SpecConfig("speculative", k=4), cost_curve=curve
+    )
     out = gen.generate(PROMPT, config=config)
     assert out.token_ids == plain.token_ids
     depths = [s.model_depth for s in costly.shapes]

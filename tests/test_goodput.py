@@ -232,18 +232,21 @@ def test_the_gate_turns_a_useless_drafter_off_and_keeps_a_perfect_one(
     never = max(set(range(100, 200)) - set(plain.token_ids))  # a token plain never emits
     # a CPU-like curve (an fp32 model is so memory-bound that rows cost almost nothing)
     curve = CostCurve((1, 2, 4, 8), (1.0, 1.25, 1.6, 2.4))
-    gated = Generator(smollm_f32, drafter=WrongDrafter(never), spec=SpecConfig("speculative"),
-                      cost_curve=curve)  # fmt: skip
-    ungated = Generator(smollm_f32, drafter=WrongDrafter(never),
-                        spec=SpecConfig("speculative", goodput=False))  # fmt: skip
+    gated = Generator(
+        smollm_f32, drafter=WrongDrafter(never), spec=SpecConfig("speculative"), cost_curve=curve
+    )
+    ungated = Generator(
+        smollm_f32, drafter=WrongDrafter(never), spec=SpecConfig("speculative", goodput=False)
+    )
     a, b = gated.generate(PROMPT, config=config), ungated.generate(PROMPT, config=config)
     assert a.token_ids == b.token_ids == plain.token_ids
     assert b.stats.drafted > 4 * (N - 5)  # k = 5 every round, all rejected
     assert a.stats.drafted < b.stats.drafted / 4  # cut after a few rejected rounds
     assert a.stats.accepted == b.stats.accepted == 0
     oracle = OracleDrafter(plain.token_ids, len(plain.prompt_ids))
-    right = Generator(smollm_f32, drafter=oracle, spec=SpecConfig("speculative", k=4),
-                      cost_curve=curve)  # fmt: skip
+    right = Generator(
+        smollm_f32, drafter=oracle, spec=SpecConfig("speculative", k=4), cost_curve=curve
+    )
     c = right.generate(PROMPT, config=config)
     assert c.token_ids == plain.token_ids
     assert c.stats.acceptance_rate == 1.0 and c.stats.mean_accepted_length > 3
@@ -279,8 +282,12 @@ def test_the_cost_meter_takes_the_lower_quartile_of_recent_proposals() -> None:
     for _ in range(8):
         meter.observe(0.0, 1)
     assert meter.cost == 0.1  # never below the floor
-    for bad, words in (({"target_seconds": 0.0}, "target_seconds"), ({"floor": -1.0}, "floor"),
-                       ({"window": 0}, "window"), ({"window": 2.5}, "window")):  # fmt: skip
+    for bad, words in (
+        ({"target_seconds": 0.0}, "target_seconds"),
+        ({"floor": -1.0}, "floor"),
+        ({"window": 0}, "window"),
+        ({"window": 2.5}, "window"),
+    ):
         with pytest.raises(ValueError, match=words):
             CostMeter(**{"target_seconds": 0.01, "floor": 0.1, **bad})
 

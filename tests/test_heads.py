@@ -66,9 +66,11 @@ def test_the_data_holds_features_and_the_targets_top_k(smollm_f32, data: Path) -
     model = smollm_f32.model
     with torch.inference_mode():
         _, ref = model.forward_capturing(
-            torch.tensor(ids)[None], torch.arange(len(ids)), model.new_cache(len(ids) + 1),
+            torch.tensor(ids)[None],
+            torch.arange(len(ids)),
+            model.new_cache(len(ids) + 1),
             capture=(2, 15, 27),
-        )  # fmt: skip
+        )
     got = samples[0]["features"].float().view(len(ids), 3, d).permute(1, 0, 2)
     torch.testing.assert_close(got, ref, atol=0.02, rtol=0.01)  # float16 storage
     again = make_data(smollm_f32, data, DataConfig(samples=3, answer_tokens=32, user_tokens=16))
@@ -81,8 +83,9 @@ def test_training_lowers_the_loss_and_resumes_where_it_stopped(smollm_f32, data,
     meta, samples = load_data(data)
     layers = tuple(meta["feature_layers"])
     losses: list[float] = []
-    whole = train_head(smollm_f32, samples, layers, tmp_path / "a", TRAIN,
-                       lambda s: losses.append(s.loss))  # fmt: skip
+    whole = train_head(
+        smollm_f32, samples, layers, tmp_path / "a", TRAIN, lambda s: losses.append(s.loss)
+    )
     assert losses[-1] < losses[0]
     history = json.loads((tmp_path / "a" / "training.json").read_text())
     assert [h["step"] for h in history] == [4, 8]  # at every checkpoint
@@ -131,23 +134,70 @@ def test_the_train_head_command_makes_data_trains_and_reports(tmp_path, capsys) 
     """`specfork train-head` end to end: data, training, the held-out figures of the head it
     saved, and a head that loads for the drafter."""
     out = tmp_path / "cli-head"
-    code, _, err = run_cli(capsys, [
-        "train-head", "--dtype", "float32", "--out", str(out), "--samples", "3",
-        "--answer-tokens", "8", "--steps", "3", "--window", "16", "--windows", "1",
-        "--unroll", "2", "--draft-vocab", "512", "--holdout", "0.4",
-    ])  # fmt: skip
+    code, _, err = run_cli(
+        capsys,
+        [
+            "train-head",
+            "--dtype",
+            "float32",
+            "--out",
+            str(out),
+            "--samples",
+            "3",
+            "--answer-tokens",
+            "8",
+            "--steps",
+            "3",
+            "--window",
+            "16",
+            "--windows",
+            "1",
+            "--unroll",
+            "2",
+            "--draft-vocab",
+            "512",
+            "--holdout",
+            "0.4",
+        ],
+    )
     assert code == 0, err
     text = " ".join(err.split())
-    assert re.search(r"held-out answers: top-1 agreement [\d.]+, [\d.]+ tokens per forward in "
-                     r"a chain of 2 \(saved: step 3\)", text), text  # fmt: skip
+    assert re.search(
+        r"held-out answers: top-1 agreement [\d.]+, [\d.]+ tokens per forward in "
+        r"a chain of 2 \(saved: step 3\)",
+        text,
+    ), text
     history = json.loads((out / "training.json").read_text())
     assert [h["step"] for h in history] == [3] and 1.0 <= history[0]["held_out_chain"] <= 3.0
     assert (out / "head.safetensors").exists() and (out / "data" / "meta.json").exists()
-    code, _, err = run_cli(capsys, [
-        "train-head", "--dtype", "float32", "--out", str(out), "--samples", "3",
-        "--answer-tokens", "8", "--steps", "7", "--window", "16", "--windows", "1",
-        "--unroll", "2", "--draft-vocab", "512", "--holdout", "0.4", "--checkpoint-every", "2",
-    ])  # fmt: skip
+    code, _, err = run_cli(
+        capsys,
+        [
+            "train-head",
+            "--dtype",
+            "float32",
+            "--out",
+            str(out),
+            "--samples",
+            "3",
+            "--answer-tokens",
+            "8",
+            "--steps",
+            "7",
+            "--window",
+            "16",
+            "--windows",
+            "1",
+            "--unroll",
+            "2",
+            "--draft-vocab",
+            "512",
+            "--holdout",
+            "0.4",
+            "--checkpoint-every",
+            "2",
+        ],
+    )
     assert code == 0, err  # extended, measured at other intervals: resumed, not refused
     history = json.loads((out / "training.json").read_text())
     assert [h["step"] for h in history] == [3, 4, 6, 7]
@@ -156,8 +206,16 @@ def test_the_train_head_command_makes_data_trains_and_reports(tmp_path, capsys) 
 def test_data_only_makes_the_data_and_stops(tmp_path, capsys) -> None:
     """`--data-only`: the data set is written (and completed when asked for more), no head."""
     out = tmp_path / "data-only"
-    args = ["train-head", "--dtype", "float32", "--out", str(out), "--answer-tokens", "4",
-            "--data-only"]  # fmt: skip
+    args = [
+        "train-head",
+        "--dtype",
+        "float32",
+        "--out",
+        str(out),
+        "--answer-tokens",
+        "4",
+        "--data-only",
+    ]
     code, _, err = run_cli(capsys, [*args, "--samples", "1"])
     assert code == 0, err
     assert "train on it with --data" in " ".join(err.split())
@@ -172,10 +230,32 @@ def test_task_data_keeps_the_answers_and_trains_beside_other_sets(tmp_path, data
     tokens before the answer; `--extra-data` trains on an earlier set too (each set holds out
     its own share), and a set made for other layers is refused."""
     out = tmp_path / "tasks-head"
-    args = ["train-head", "--dtype", "float32", "--out", str(out), "--samples", "2",
-            "--answer-tokens", "8", "--tasks", "--context-tokens", "6", "--steps", "2",
-            "--window", "12", "--windows", "1", "--unroll", "2", "--draft-vocab", "512",
-            "--holdout", "0.4"]  # fmt: skip
+    args = [
+        "train-head",
+        "--dtype",
+        "float32",
+        "--out",
+        str(out),
+        "--samples",
+        "2",
+        "--answer-tokens",
+        "8",
+        "--tasks",
+        "--context-tokens",
+        "6",
+        "--steps",
+        "2",
+        "--window",
+        "12",
+        "--windows",
+        "1",
+        "--unroll",
+        "2",
+        "--draft-vocab",
+        "512",
+        "--holdout",
+        "0.4",
+    ]
     code, _, err = run_cli(capsys, [*args, "--extra-data", str(data)])
     assert code == 0, err
     assert "data 5 samples" in " ".join(err.split())  # 2 made here + 3 from the earlier set
@@ -185,9 +265,26 @@ def test_task_data_keeps_the_answers_and_trains_beside_other_sets(tmp_path, data
     for s in samples:  # 6 prompt tokens, then the answer (at most 8 tokens and an end)
         assert 7 <= len(s["tokens"]) <= 6 + 9 and s["features"].shape[0] == len(s["tokens"])
     foreign = tmp_path / "foreign"
-    code, _, err = run_cli(capsys, ["train-head", "--dtype", "float32", "--out", str(foreign),
-                                    "--samples", "1", "--answer-tokens", "4", "--layers", "1,2",
-                                    "--steps", "1", "--extra-data", str(data)])  # fmt: skip
+    code, _, err = run_cli(
+        capsys,
+        [
+            "train-head",
+            "--dtype",
+            "float32",
+            "--out",
+            str(foreign),
+            "--samples",
+            "1",
+            "--answer-tokens",
+            "4",
+            "--layers",
+            "1,2",
+            "--steps",
+            "1",
+            "--extra-data",
+            str(data),
+        ],
+    )
     assert code != 0 and "train on data sets of one target and feature layers" in err
 
 
@@ -474,11 +571,30 @@ def test_the_shipped_head_drafts_for_the_default_model(smollm_f32, tmp_path, cap
     assert result.token_ids == plain.token_ids
     assert result.stats.acceptance_rate > 0.05, result.stats  # 15 of 121 when it shipped
     out = tmp_path / "tuned"
-    code, _, err = run_cli(capsys, [
-        "train-head", "--dtype", "float32", "--out", str(out), "--samples", "1",
-        "--answer-tokens", "4", "--init", "packaged", "--steps", "1", "--window", "8",
-        "--windows", "1", "--holdout", "0",
-    ])  # fmt: skip
+    code, _, err = run_cli(
+        capsys,
+        [
+            "train-head",
+            "--dtype",
+            "float32",
+            "--out",
+            str(out),
+            "--samples",
+            "1",
+            "--answer-tokens",
+            "4",
+            "--init",
+            "packaged",
+            "--steps",
+            "1",
+            "--window",
+            "8",
+            "--windows",
+            "1",
+            "--holdout",
+            "0",
+        ],
+    )
     assert code == 0, err
     cfg = smollm_f32.model.config
     assert load_head(out, cfg).d2t.equal(load_head(folder, cfg).d2t)  # its draft vocabulary

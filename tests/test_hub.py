@@ -88,8 +88,13 @@ def _batch(env: dict[str, str], *argvs: list[str], cwd: Path | None = None) -> l
     """Each command line's {"code", "out", "err"}, run in one fresh process."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "cli_batch.py"), json.dumps(list(argvs))],
-        env=env, cwd=cwd, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -157,9 +162,10 @@ def test_offline_cache_loads_like_the_folder(tiny: Path, expected: str, tmp_path
     (storage / "refs" / "main").write_text(COMMIT)
     env = _env(tmp_path, "http://127.0.0.1:9", HF_HUB_OFFLINE="1")
     run, missing = _batch(
-        env, ["generate", "-m", "tiny-org/cached", *GENERATE[1:]],
+        env,
+        ["generate", "-m", "tiny-org/cached", *GENERATE[1:]],
         ["generate", "-m", "tiny-org/not-cached", *GENERATE[1:]],
-    )  # fmt: skip
+    )
     assert run["code"] == 0, run["err"]
     assert run["out"] == expected
     assert "tiny-org/cached (float32" in run["err"]  # named by its repo, not the commit folder
@@ -169,16 +175,25 @@ def test_offline_cache_loads_like_the_folder(tiny: Path, expected: str, tmp_path
 def test_download_then_load(hub: FakeHub, expected: str, tmp_path: Path) -> None:
     env = _env(tmp_path, hub.endpoint)
     run, models, listed = _batch(
-        env, ["generate", "-m", "tiny-org/tiny-llama", *GENERATE[1:]], ["models"],
+        env,
+        ["generate", "-m", "tiny-org/tiny-llama", *GENERATE[1:]],
+        ["models"],
         ["models", "--json"],
-    )  # fmt: skip
+    )
     assert run["code"] == 0, run["err"]
     assert run["out"] == expected
     assert "Fetching 5 files" in run["err"]  # huggingface_hub's progress bar
     snapshot = tmp_path / "hf-cache" / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT
     fetched = sorted(p.name for p in snapshot.iterdir())
-    assert fetched == sorted(["config.json", "generation_config.json", "model.safetensors",
-                              "tokenizer.json", "tokenizer_config.json"])  # fmt: skip
+    assert fetched == sorted(
+        [
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
+    )
     assert models["code"] == 0
     assert "tiny-org/tiny-llama" in models["out"] and COMMIT[:12] in models["out"]
     (row,) = json.loads(listed["out"])["hub"]
@@ -188,8 +203,9 @@ def test_download_then_load(hub: FakeHub, expected: str, tmp_path: Path) -> None
     assert row["models"] == ["tiny-org/tiny-llama"]
 
     hub.requests.clear()  # now offline: the cache alone serves the model
-    (again,) = _batch({**env, "HF_HUB_OFFLINE": "1"},
-                      ["generate", "-m", "tiny-org/tiny-llama", *GENERATE[1:]])  # fmt: skip
+    (again,) = _batch(
+        {**env, "HF_HUB_OFFLINE": "1"}, ["generate", "-m", "tiny-org/tiny-llama", *GENERATE[1:]]
+    )
     assert again["code"] == 0, again["err"]
     assert again["out"] == expected
     assert not [r for r in hub.requests if "tiny-llama" in r]
@@ -198,9 +214,10 @@ def test_download_then_load(hub: FakeHub, expected: str, tmp_path: Path) -> None
 def test_revision(hub: FakeHub, expected: str, tmp_path: Path) -> None:
     env = _env(tmp_path, hub.endpoint)
     tagged, unknown = _batch(
-        env, ["generate", "-m", "tiny-org/tiny-llama@v1", *GENERATE[1:]],
+        env,
+        ["generate", "-m", "tiny-org/tiny-llama@v1", *GENERATE[1:]],
         ["generate", "-m", "tiny-org/tiny-llama@nope", *GENERATE[1:]],
-    )  # fmt: skip
+    )
     assert tagged["code"] == 0, tagged["err"]
     assert tagged["out"] == expected
     _one_line_error(unknown, "no revision 'nope'", "branch, tag or commit")
@@ -260,12 +277,16 @@ def test_network_problems(tmp_path: Path) -> None:
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    unreachable, offline = _batch(_env(tmp_path, closed), ["generate", "-m", "tiny-org/x", "hi"],
-                                  ["generate", "-m", "tiny-org/x:Q8_0", "hi"])  # fmt: skip
+    unreachable, offline = _batch(
+        _env(tmp_path, closed),
+        ["generate", "-m", "tiny-org/x", "hi"],
+        ["generate", "-m", "tiny-org/x:Q8_0", "hi"],
+    )
     _one_line_error(unreachable, "cannot reach the Hugging Face Hub", closed, "HF_HUB_OFFLINE")
     _one_line_error(offline, "cannot reach the Hugging Face Hub", "tiny-org/x:Q8_0")
-    (nothing,) = _batch(_env(tmp_path, closed, HF_HUB_OFFLINE="1"),
-                        ["generate", "-m", "tiny-org/x:Q8_0", "hi"])  # fmt: skip
+    (nothing,) = _batch(
+        _env(tmp_path, closed, HF_HUB_OFFLINE="1"), ["generate", "-m", "tiny-org/x:Q8_0", "hi"]
+    )
     _one_line_error(nothing, "HF_HUB_OFFLINE")
 
 

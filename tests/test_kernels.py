@@ -167,8 +167,12 @@ def test_lower_isas_compute_the_same_integer_and_fp32_products(tmp_path, isa: st
         expected.append(K.packed_linear(K.Packed(kind, 40, 96, blob), x))
     torch.save(cases, tmp_path / "in.pt")
     env = {**os.environ, "SPECFORK_ISA": isa}
-    subprocess.run([sys.executable, "-c", GENERIC_SCRIPT, str(tmp_path / "in.pt"),
-                    str(tmp_path / "out.pt")], env=env, check=True, timeout=600)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", GENERIC_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+        env=env,
+        check=True,
+        timeout=600,
+    )
     for got, want in zip(torch.load(tmp_path / "out.pt"), expected, strict=True):
         assert torch.equal(got, want)
 
@@ -217,8 +221,9 @@ def test_the_avx2_path_is_batch_invariant_on_the_real_model(tmp_path) -> None:
         pytest.skip("no AVX2 here")
     out = tmp_path / "avx2.pt"
     env = {**os.environ, "SPECFORK_ISA": "avx2"}
-    subprocess.run([sys.executable, "-c", AVX2_MODEL_SCRIPT, str(out)], env=env, check=True,
-                   timeout=900)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", AVX2_MODEL_SCRIPT, str(out)], env=env, check=True, timeout=900
+    )
     got = torch.load(out)
     assert torch.equal(got["steps"], got["block"])  # 8 one-row steps == one 8-row forward
 

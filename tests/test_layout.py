@@ -81,10 +81,32 @@ def test_the_circle_finder_finds_circles() -> None:
 #: a module imports only from its own package and from those before it. The package's own
 #: `__init__` (the public API, which re-exports from the top) stands above them all.
 LAYERS = (
-    "errors", "checks", "extras", "host", "atomic", "threads", "constraint", "catalog", "config",
-    "spec_schema", "tree", "sampling", "cache", "verify", "kernels", "models", "loading", "heads",
-    "drafters", "strategies", "engine", "tools", "server", "bench", "cli",
-)  # fmt: skip
+    "errors",
+    "checks",
+    "extras",
+    "host",
+    "atomic",
+    "threads",
+    "constraint",
+    "catalog",
+    "config",
+    "spec_schema",
+    "tree",
+    "sampling",
+    "cache",
+    "verify",
+    "kernels",
+    "models",
+    "loading",
+    "heads",
+    "drafters",
+    "strategies",
+    "engine",
+    "tools",
+    "server",
+    "bench",
+    "cli",
+)
 
 
 def _layer(module: str) -> str:
@@ -116,8 +138,10 @@ def test_imports_run_down_the_layers() -> None:
 
 
 def test_the_layer_check_finds_an_upward_import() -> None:
-    graph = {"specfork.models.cost_cache": {"specfork.bench.machine"},
-             "specfork.bench.machine": {"specfork.host"}}  # fmt: skip
+    graph = {
+        "specfork.models.cost_cache": {"specfork.bench.machine"},
+        "specfork.bench.machine": {"specfork.host"},
+    }
     assert _upward_imports(graph) == ["specfork.models.cost_cache imports specfork.bench.machine"]
 
 

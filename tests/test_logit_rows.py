@@ -99,8 +99,9 @@ def test_every_instruction_set_computes_the_same(tmp_path, isa: str) -> None:
     path = tmp_path / "x.pt"
     torch.save(x, path)
     env = {**os.environ, "SPECFORK_ISA": isa}
-    subprocess.run([sys.executable, "-c", ISA_SCRIPT, str(path), isa], env=env, check=True,
-                   timeout=600)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", ISA_SCRIPT, str(path), isa], env=env, check=True, timeout=600
+    )
     ids, lse = torch.load(str(path) + ".out")
     assert torch.equal(ids, top_k_ids(x, 8))  # the same ids; the sums' order differs by ISA
     assert torch.allclose(lse, logsumexp(x), rtol=1e-6, atol=1e-5)

@@ -16,8 +16,11 @@ from cli_run import run_cli
 from specfork.heads.packaged import shipped
 
 ROOT = Path(__file__).resolve().parents[1]
-CSRC = sorted(p.name for p in (ROOT / "src" / "specfork" / "kernels" / "csrc").iterdir()
-              if p.suffix in (".cpp", ".h"))  # fmt: skip
+CSRC = sorted(
+    p.name
+    for p in (ROOT / "src" / "specfork" / "kernels" / "csrc").iterdir()
+    if p.suffix in (".cpp", ".h")
+)
 
 
 def test_one_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -42,8 +45,13 @@ def test_changelog() -> None:
 @pytest.mark.slow
 def test_wheel_and_sdist(tmp_path: Path) -> None:
     """`python -m build` (fetches setuptools from PyPI into its isolated environment)."""
-    done = subprocess.run([sys.executable, "-m", "build", "--outdir", str(tmp_path), str(ROOT)],
-                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "build", "--outdir", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     version = specfork.__version__
     (wheel,) = tmp_path.glob(f"specfork-{version}-py3-none-any.whl")
@@ -66,7 +74,10 @@ def test_wheel_and_sdist(tmp_path: Path) -> None:
     for name in ("README.md", "CHANGELOG.md", "LICENSE", "pyproject.toml", "docs/strategies.md"):
         assert name in members, name
     assert {f"src/specfork/kernels/csrc/{name}" for name in CSRC} <= members
-    heads = {f"specfork/heads/packaged_heads/{model}/{name}"
-             for model in shipped() for name in ("head.json", "head.safetensors")}  # fmt: skip
+    heads = {
+        f"specfork/heads/packaged_heads/{model}/{name}"
+        for model in shipped()
+        for name in ("head.json", "head.safetensors")
+    }
     assert heads and heads <= names  # the draft heads ship in the wheel
     assert {f"src/{name}" for name in heads} <= members  # and in the sdist

@@ -86,8 +86,10 @@ def test_min_p_relative_to_max():
 def test_seeded_sampling_reproduces_and_seeds_differ():
     logits = torch.randn(1000)
     params = SamplingParams(temperature=1.0)
-    draws = [[next_token(logits, params, g, i) for i in range(30)] for g in (make_generator(5),
-             make_generator(5))]  # fmt: skip
+    draws = [
+        [next_token(logits, params, g, i) for i in range(30)]
+        for g in (make_generator(5), make_generator(5))
+    ]
     assert draws[0] == draws[1]
     other = [next_token(logits, params, make_generator(6), i) for i in range(30)]
     assert other != draws[0]
@@ -111,8 +113,11 @@ def test_sample_never_draws_a_zero_probability_token_and_takes_unnormalised_rows
     one_hot = torch.zeros(3, 49152)
     one_hot[torch.arange(3), torch.tensor([0, 777, 49151])] = 1.0
     assert sample(one_hot, make_generator(2)).tolist() == [0, 777, 49151]
-    for broken in (torch.zeros(5), torch.tensor([0.5, float("nan"), 0.5]),
-                   torch.tensor([0.5, float("inf"), 0.5])):  # fmt: skip
+    for broken in (
+        torch.zeros(5),
+        torch.tensor([0.5, float("nan"), 0.5]),
+        torch.tensor([0.5, float("inf"), 0.5]),
+    ):
         with pytest.raises(ValueError, match="no finite probability mass"):
             sample(broken, make_generator(3))
 

@@ -73,20 +73,24 @@ def test_settings_and_strategies() -> None:
     settings = LoadSettings(concurrency=(1, 8), requests=4)
     assert [settings.requests_at(c) for c in (1, 8)] == [16, 16]  # 2 per client of the largest
     assert LoadSettings(concurrency=(1, 2), requests=8).requests_at(1) == 8
-    for bad, words in (({"concurrency": (1, 0)}, "--concurrency must list integers >= 1"),
-                       ({"concurrency": ()}, "--concurrency"),
-                       ({"concurrency": (2, 2)}, "lists a level twice"),
-                       ({"requests": 0}, "--requests must be an integer >= 1"),
-                       ({"max_tokens": True}, "--max-tokens must be an integer >= 1"),
-                       ({"repeats": 0}, "--repeats")):  # fmt: skip
+    for bad, words in (
+        ({"concurrency": (1, 0)}, "--concurrency must list integers >= 1"),
+        ({"concurrency": ()}, "--concurrency"),
+        ({"concurrency": (2, 2)}, "lists a level twice"),
+        ({"requests": 0}, "--requests must be an integer >= 1"),
+        ({"max_tokens": True}, "--max-tokens must be an integer >= 1"),
+        ({"repeats": 0}, "--repeats"),
+    ):
         with pytest.raises(ConfigError, match=words):
             LoadSettings(**bad)
 
     strategies = parse_load_strategies("ngram,dspark,speculative:ngram?k=6&k_policy=heuristic")
     assert [label for label, _ in strategies] == [
-        "ar (plain)", "speculative ngram k=4", "dspark ngram",
+        "ar (plain)",
+        "speculative ngram k=4",
+        "dspark ngram",
         "speculative:ngram?k=6&k_policy=heuristic",
-    ]  # fmt: skip
+    ]
     assert strategies[1][1] == NGRAM and strategies[2][1].strategy == "dspark"
     assert strategies[3][1].k == 6 and strategies[3][1].k_policy == "heuristic"
     with pytest.raises(ConfigError, match="not a strategy specfork serves"):
@@ -96,9 +100,11 @@ def test_settings_and_strategies() -> None:
 
     configs = configurations(strategies[:2], max_running=4)
     assert [c.label for c in configs] == [
-        "ar (plain), max-running 4", "ar (plain), max-running 1",
-        "speculative ngram k=4, max-running 4", "speculative ngram k=4, max-running 1",
-    ]  # fmt: skip
+        "ar (plain), max-running 4",
+        "ar (plain), max-running 1",
+        "speculative ngram k=4, max-running 4",
+        "speculative ngram k=4, max-running 1",
+    ]
     assert [c.max_running for c in configurations(strategies[:2], 1)] == [1, 1]
     with pytest.raises(ConfigError, match="--max-running must be an integer >= 1"):
         configurations(strategies, 0)
@@ -140,28 +146,35 @@ def test_figures_ratios_and_text_mismatch_named() -> None:
     walls = {configs[0]: 2.0, configs[1]: 4.0, configs[2]: 1.0, configs[3]: 2.0}
     runs = [_run(cfg, c, wall * c) for cfg, wall in walls.items() for c in (1, 2)]
     runs[-1] = _run(configs[3], 2, 4.0, texts=("a", "b!"))  # ngram, max-running 1, 2 clients
-    report = LoadReport(configs, LoadSettings((1, 2), 2, 10), ["p0", "p1"], SweepResult(runs, {}),
-                        {"model": "fake"})  # fmt: skip
+    report = LoadReport(
+        configs, LoadSettings((1, 2), 2, 10), ["p0", "p1"], SweepResult(runs, {}), {"model": "fake"}
+    )
 
     row = report.rows[0]  # ar (plain), max-running 4, 1 client: 2 requests x 10 tokens in 2 s
     assert (row.config, row.concurrency, row.requests) == (configs[0].label, 1, 2)
     assert (row.requests_per_s, row.tokens_per_s, row.p50, row.p95) == (1.0, 10.0, 1.0, 2.0)
     assert row.mean_accepted == 1.5
     on_off = report.ratios["speculation on / off"]
-    assert on_off == {"ngram, max-running 4 / ar (plain)": {1: 2.0, 2: 2.0},
-                      "ngram, max-running 1 / ar (plain)": {1: 2.0, 2: 2.0}}  # fmt: skip
+    assert on_off == {
+        "ngram, max-running 4 / ar (plain)": {1: 2.0, 2: 2.0},
+        "ngram, max-running 1 / ar (plain)": {1: 2.0, 2: 2.0},
+    }
     assert report.ratios["max-running N / max-running 1"] == {
         "ar (plain): max-running 4 / 1": {1: 2.0, 2: 2.0},
         "ngram: max-running 4 / 1": {1: 2.0, 2: 2.0},
     }
     assert ratios(summarize(SweepResult(runs[:2], {}), configs[:1]), configs[:1]) == {
-        "speculation on / off": {}, "max-running N / max-running 1": {}}  # fmt: skip
+        "speculation on / off": {},
+        "max-running N / max-running 1": {},
+    }
 
     assert [(r.config, r.concurrency) for r in report.rows if r.differing] == [
         (configs[3].label, 2)
     ]
-    line = ("prompt 1 ('p1'): ngram, max-running 1 at 2 clients (repeat 1) differs from "
-            "ar (plain), max-running 4 at 1 client at character 1")  # fmt: skip
+    line = (
+        "prompt 1 ('p1'): ngram, max-running 1 at 2 clients (repeat 1) differs from "
+        "ar (plain), max-running 4 at 1 client at character 1"
+    )
     assert report.mismatch_lines() == [line, line]  # the 2nd and 4th request ask prompt 1
     table = report.markdown()
     assert "| ngram, max-running 1 | 2 | 4 |" in table and "| no (2 of 4) |" in table
@@ -189,17 +202,41 @@ def test_server_decode_speed_is_read_on_the_library_checks_prompts() -> None:
 @pytest.mark.usefixtures("one_thread")
 def test_load_run_end_to_end(script: ModuleType, tiny_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    argv = ["--model", str(tiny_folder), "--dtype", "float32", "--device", "cpu",
-            "--max-context", "256", "--strategies", "ar,ngram", "--max-running", "2",
-            "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4",
-            "--step-rows", "3", "--out", str(out)]  # fmt: skip
+    argv = [
+        "--model",
+        str(tiny_folder),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-context",
+        "256",
+        "--strategies",
+        "ar,ngram",
+        "--max-running",
+        "2",
+        "--concurrency",
+        "1,2",
+        "--requests",
+        "2",
+        "--max-tokens",
+        "4",
+        "--step-rows",
+        "3",
+        "--out",
+        str(out),
+    ]
     assert script.main(argv) == 0
     assert {p.name for p in out.iterdir()} == {"results.json", "table.md", "load.png"}
     assert (out / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = json.loads((out / "results.json").read_text())
     ngram = "speculative ngram k=4"
-    labels = ["ar (plain), max-running 2", "ar (plain), max-running 1",
-              f"{ngram}, max-running 2", f"{ngram}, max-running 1"]  # fmt: skip
+    labels = [
+        "ar (plain), max-running 2",
+        "ar (plain), max-running 1",
+        f"{ngram}, max-running 2",
+        f"{ngram}, max-running 1",
+    ]
     assert [c["label"] for c in doc["configurations"]] == labels
     assert [c["max_running"] for c in doc["configurations"]] == [2, 1, 2, 1]
     runs = doc["runs"]
@@ -269,13 +306,17 @@ def test_text_check_catches_a_different_model(tiny_folder: Path, tmp_path: Path)
 
 def test_bad_input_fails_before_loading(script: ModuleType, capsys, tmp_path: Path) -> None:
     base = ["--model", "no-such-model"]
-    for argv, words in ((["--concurrency", "0,2"], "--concurrency must list integers >= 1"),
-                        (["--strategies", "ar,hf:ar"], "not a strategy specfork serves"),
-                        (["--max-running", "0"], "--max-running must be an integer >= 1"),
-                        (["--requests", "0"], "--requests must be an integer >= 1"),
-                        (["--step-rows", "0"], "step_rows must be an integer >= 1"),
-                        (["--step-rows", "4"], "step_rows (4) must hold at least one row per "
-                                               "running request (max_running 8)")):  # fmt: skip
+    for argv, words in (
+        (["--concurrency", "0,2"], "--concurrency must list integers >= 1"),
+        (["--strategies", "ar,hf:ar"], "not a strategy specfork serves"),
+        (["--max-running", "0"], "--max-running must be an integer >= 1"),
+        (["--requests", "0"], "--requests must be an integer >= 1"),
+        (["--step-rows", "0"], "step_rows must be an integer >= 1"),
+        (
+            ["--step-rows", "4"],
+            "step_rows (4) must hold at least one row per running request (max_running 8)",
+        ),
+    ):
         assert script.main(base + argv) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1 and "Traceback" not in err

@@ -311,21 +311,49 @@ BAD = [
     ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": "hi", "exact": 1}, "exact"),
     ("completions", {"prompt": [1, 99999999]}, "prompt"),
-    ("chat/completions", {"messages": MESSAGES, "response_format": {"type": "yaml"}},
-     "response_format"),
-    ("chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
-     "response_format.json_schema"),
-    ("chat/completions", {"messages": MESSAGES, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integr"}}}},
-     "response_format"),
-    ("completions", {"prompt": "hi", "response_format": {"type": "regex", "regex": "(("}},
-     "response_format"),
-    ("completions", {"prompt": "hi", "response_format": {"type": "regex", "regex": r"[^\s\S]"}},
-     "response_format"),  # compiles, matches nothing: refused as the request opens
-    ("chat/completions", {"messages": MESSAGES, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
-     "response_format"),
-]  # fmt: skip
+    (
+        "chat/completions",
+        {"messages": MESSAGES, "response_format": {"type": "yaml"}},
+        "response_format",
+    ),
+    (
+        "chat/completions",
+        {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
+        "response_format.json_schema",
+    ),
+    (
+        "chat/completions",
+        {
+            "messages": MESSAGES,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "integr"}},
+            },
+        },
+        "response_format",
+    ),
+    (
+        "completions",
+        {"prompt": "hi", "response_format": {"type": "regex", "regex": "(("}},
+        "response_format",
+    ),
+    (
+        "completions",
+        {"prompt": "hi", "response_format": {"type": "regex", "regex": r"[^\s\S]"}},
+        "response_format",
+    ),  # compiles, matches nothing: refused as the request opens
+    (
+        "chat/completions",
+        {
+            "messages": MESSAGES,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"$ref": "#"}},
+            },
+        },
+        "response_format",
+    ),
+]
 
 
 @pytest.mark.slow
@@ -399,9 +427,13 @@ def test_response_format_json_schema_matches_library(served: Served, strategy: s
     messages = [{"role": "user", "content": "Describe a person as JSON."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     resp = served.client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=64, temperature=0, response_format=fmt,
+        model=MODEL,
+        messages=messages,
+        max_tokens=64,
+        temperature=0,
+        response_format=fmt,
         extra_body={} if strategy == "ar" else {"speculative": STRATEGIES[strategy]},
-    )  # fmt: skip
+    )
     text = resp.choices[0].message.content
     assert resp.choices[0].finish_reason == "stop"
     assert set(json.loads(text)) == {"name", "age"}
@@ -409,9 +441,12 @@ def test_response_format_json_schema_matches_library(served: Served, strategy: s
     ref = served.reference.generate(messages, config=config, spec=_spec(strategy))
     assert text == ref.text
     any_object = served.client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=64, temperature=0,
+        model=MODEL,
+        messages=messages,
+        max_tokens=64,
+        temperature=0,
         response_format={"type": "json_object"},
-    )  # fmt: skip
+    )
     # SmolLM2 writes a long object: 64 tokens may end it before it closes (finish "length"),
     # a valid prefix of the library's constrained output
     choice = any_object.choices[0]

@@ -273,12 +273,15 @@ def test_a_constraint_over_the_mask_budget_is_a_400_and_its_neighbours_go_on(
     assert plain.status_code == 200, plain.text
 
     config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
-    dear = GenerationConfig(max_new_tokens=30, ignore_eos=True, max_mask_ms=1e6,
-                            constraint=Constraint.regex("[a-z ]+"))  # fmt: skip
+    dear = GenerationConfig(
+        max_new_tokens=30, ignore_eos=True, max_mask_ms=1e6, constraint=Constraint.regex("[a-z ]+")
+    )
     alone = gen.generate(PROMPTS[0], chat=False, config=config).text
     batch = Scheduler(gen, BatchConfig(max_running=4))
-    handles = [batch.add(_ids(gen, PROMPTS[0]), config=config),
-               batch.add(_ids(gen, PROMPTS[1]), config=dear)]  # fmt: skip
+    handles = [
+        batch.add(_ids(gen, PROMPTS[0]), config=config),
+        batch.add(_ids(gen, PROMPTS[1]), config=dear),
+    ]
     updates = batch.step() + batch.step()  # prompts read, first tokens out: both decoding
     assert not handles[1].finished
     handles[1].req.grammar.mask_budget = 1e-12  # its masks grow dear

@@ -148,9 +148,12 @@ EXACT_PLAN: dict[str, tuple[SpecConfig, tuple[int, ...]]] = {
 }
 IDENTICAL_DRAFTERS = ("self-layers-0-29-k3", "draft-model-k4", "dspark-draft-model")
 MODEL_DRAFTERS = (
-    "self-layers-0-29-k3", "self-skip-10-19-k3", "draft-model-k4",
-    "dspark-draft-model", "dspark-self-skip-10-19",
-)  # fmt: skip
+    "self-layers-0-29-k3",
+    "self-skip-10-19-k3",
+    "draft-model-k4",
+    "dspark-draft-model",
+    "dspark-self-skip-10-19",
+)
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -688,8 +691,13 @@ def test_sampling_with_ngram_drafts_is_reproducible(
     _check_spec_stats(first)
 
 
-SEEDED_PLAN = ("ngram-goodput", "draft-model-k4", "dspark-goodput", "spork-recycle+ngram-goodput",
-               "spork-draft-model-dynamic")  # fmt: skip
+SEEDED_PLAN = (
+    "ngram-goodput",
+    "draft-model-k4",
+    "dspark-goodput",
+    "spork-recycle+ngram-goodput",
+    "spork-draft-model-dynamic",
+)
 
 
 @pytest.mark.parametrize("name", SEEDED_PLAN)

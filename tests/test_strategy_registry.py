@@ -96,8 +96,9 @@ def test_every_pair_is_reached_from_every_front_end(strategy: StrategyKind, kind
     from_bench = parse_strategy(f"{strategy.name}:{text}").spec
     from_server = spec_with(SpecConfig(), {"strategy": strategy.name, "drafter": text})
     assert from_cli == from_bench == from_server
-    assert from_cli.sources == (DraftSource(kind.name, "some/path" if kind.path == "required"
-                                            else None),)  # fmt: skip
+    assert from_cli.sources == (
+        DraftSource(kind.name, "some/path" if kind.path == "required" else None),
+    )
 
 
 def test_plain_decoding_draws_nothing_and_bounds_follow_the_settings() -> None:
@@ -140,8 +141,12 @@ def _spec(strategy: StrategyKind, kind: DrafterKind, folders: dict[str, Path]) -
     return SpecConfig(strategy.name, drafter, goodput=False, **extra)
 
 
-DRAFTER_TYPES = {"ngram": NgramDrafter, "self": ModelDrafter, "head": HeadDrafter,
-                 "model": ModelDrafter}  # fmt: skip
+DRAFTER_TYPES = {
+    "ngram": NgramDrafter,
+    "self": ModelDrafter,
+    "head": HeadDrafter,
+    "model": ModelDrafter,
+}
 POLICY_TYPES = {"speculative": ConstantK, "dspark": DSparkPolicy, "spork": SporkPolicy}
 
 

@@ -141,8 +141,9 @@ def test_a_constraint_dearer_than_its_mask_budget_is_refused_or_ended(tiny: Load
     tight = GenerationConfig(max_new_tokens=8, constraint=constraint, max_mask_ms=1e-9)
     with pytest.raises(ConstraintError, match=r"ms to enforce per token, over the limit.*bounds"):
         gen.generate("x", chat=False, config=tight)
-    roomy = GenerationConfig(max_new_tokens=8, ignore_eos=True, constraint=constraint,
-                             max_mask_ms=1e6)  # fmt: skip
+    roomy = GenerationConfig(
+        max_new_tokens=8, ignore_eos=True, constraint=constraint, max_mask_ms=1e6
+    )
     within = gen.generate("x", chat=False, config=roomy)
     unlimited = gen.generate("x", chat=False, config=replace(roomy, max_mask_ms=None))
     assert within.text == unlimited.text and re.fullmatch("[a-z]{1,8}", within.text)

@@ -66,8 +66,10 @@ def test_the_corpus_reads_public_documented_definitions_without_running_them(lib
     assert [m.name for m in corpus.modules] == ["alpha", "beta", "delta", "gamma", "pkg"]
     names = {f.name for f in corpus.functions}
     assert "alpha.public_alpha" in names and "pkg.Box_pkg.open_pkg" in names
-    assert not any("hidden" in n or "omega" in n or "private" in n or "shell" in n
-                   or "helper" in n for n in names)  # fmt: skip
+    assert not any(
+        "hidden" in n or "omega" in n or "private" in n or "shell" in n or "helper" in n
+        for n in names
+    )
     method = next(f for f in corpus.functions if f.name == "beta.Box_beta.open_beta")
     assert method.signature == "open_beta(key, force=False)"  # no self
     assert method.source.startswith("def open_beta(self")  # dedented
@@ -113,8 +115,15 @@ def test_data_settings_validate_and_keep_older_data_sets_matching() -> None:
         DataConfig(prompts=("hi",), tasks=True)
     with pytest.raises(ConfigError, match="context_tokens must be an integer >= 1"):
         DataConfig(context_tokens=0)
-    older = {"samples": None, "answer_tokens": 256, "user_tokens": 96, "top_k": 20, "seed": 0,
-             "feature_layers": (), "prompts": None}  # fmt: skip
+    older = {
+        "samples": None,
+        "answer_tokens": 256,
+        "user_tokens": 96,
+        "top_k": 20,
+        "seed": 0,
+        "feature_layers": (),
+        "prompts": None,
+    }
     assert DataConfig().settings() == older  # a folder made before these settings still matches
     both = DataConfig(tasks=True, context_tokens=64).settings()
     assert both == {**older, "tasks": True, "context_tokens": 64}

@@ -42,10 +42,7 @@ def test_chain():
     assert tree_positions(tree, 10).tolist() == [10, 11, 12, 13]
     assert paths(tree) == [[0, 1, 2]]
     assert children(tree) == [[0], [1], [2], []]
-    expected = mask_of(["1...",
-                        "11..",
-                        "111.",
-                        "1111"])  # fmt: skip
+    expected = mask_of(["1...", "11..", "111.", "1111"])
     assert torch.equal(tree_mask(tree), expected)  # a chain's mask is causal
     assert torch.equal(tree_mask(tree), torch.ones(4, 4, dtype=torch.bool).tril())
 
@@ -56,11 +53,7 @@ def test_star():
     assert tree_positions(tree, 3).tolist() == [3, 4, 4, 4, 4]
     assert paths(tree) == [[0], [1], [2], [3]]
     assert children(tree) == [[0, 1, 2, 3], [], [], [], []]
-    expected = mask_of(["1....",
-                        "11...",
-                        "1.1..",
-                        "1..1.",
-                        "1...1"])  # fmt: skip
+    expected = mask_of(["1....", "11...", "1.1..", "1..1.", "1...1"])
     assert torch.equal(tree_mask(tree), expected)
 
 
@@ -73,15 +66,17 @@ def test_uneven_depths():
     assert tree_positions(tree, 0).tolist() == [0, 1, 1, 2, 2, 3, 2]
     assert paths(tree) == [[0, 2, 4], [0, 3], [1, 5]]
     assert children(tree) == [[0, 1], [2, 3], [5], [4], [], [], []]
-    expected = mask_of([
-        "1......",  # root
-        "11.....",  # node 0
-        "1.1....",  # node 1
-        "11.1...",  # node 2: root, 0
-        "11..1..",  # node 3: root, 0
-        "11.1.1.",  # node 4: root, 0, 2
-        "1.1...1",  # node 5: root, 1
-    ])  # fmt: skip
+    expected = mask_of(
+        [
+            "1......",  # root
+            "11.....",  # node 0
+            "1.1....",  # node 1
+            "11.1...",  # node 2: root, 0
+            "11..1..",  # node 3: root, 0
+            "11.1.1.",  # node 4: root, 0, 2
+            "1.1...1",  # node 5: root, 1
+        ]
+    )
     assert torch.equal(tree_mask(tree), expected)
     assert path_to(tree, 4) == [0, 2, 4]
     assert path_to(tree, -1) == []

@@ -237,12 +237,18 @@ class Report:
     accept_z: list[float]  # (measured - expected) / sigma per draft position
 
     def failures(self, check_tv: bool = True) -> list[str]:
-        out = [f"position {j}: chi-square p = {pv:.2e}" for j, pv in enumerate(self.pvalues)
-               if pv < ALPHA]  # fmt: skip
+        out = [
+            f"position {j}: chi-square p = {pv:.2e}"
+            for j, pv in enumerate(self.pvalues)
+            if pv < ALPHA
+        ]
         if check_tv and self.tv0 > TV_MAX:
             out.append(f"position 0: TV {self.tv0:.4f} > {TV_MAX}")
-        out += [f"draft {j}: acceptance off by {z:.1f} sigma" for j, z in enumerate(self.accept_z)
-                if abs(z) > SIGMAS]  # fmt: skip
+        out += [
+            f"draft {j}: acceptance off by {z:.1f} sigma"
+            for j, z in enumerate(self.accept_z)
+            if abs(z) > SIGMAS
+        ]
         return out
 
 
@@ -284,12 +290,21 @@ def check(outcome: Outcome, p: torch.Tensor, q: torch.Tensor, min_rounds: int = 
 CONFIGS = [
     Config("v10-k1-t0.5", vocab=10, k=1, temperature=0.5, seed=6),
     Config("v10-k5-t1.5-topk6", vocab=10, k=5, temperature=1.5, top_k=6, logit_scale=2.0, seed=5),
-    Config("v1000-k3-t1-topp0.9", vocab=1000, k=3, temperature=1.0, top_p=0.9, logit_scale=3.0,
-           seed=19),
-    Config("v1000-k5-t1.5-topk20-topp0.95", vocab=1000, k=5, temperature=1.5, top_k=20,
-           top_p=0.95, logit_scale=5.0, seed=0),
+    Config(
+        "v1000-k3-t1-topp0.9", vocab=1000, k=3, temperature=1.0, top_p=0.9, logit_scale=3.0, seed=19
+    ),
+    Config(
+        "v1000-k5-t1.5-topk20-topp0.95",
+        vocab=1000,
+        k=5,
+        temperature=1.5,
+        top_k=20,
+        top_p=0.95,
+        logit_scale=5.0,
+        seed=0,
+    ),
     Config("v1000-k1-t0.5-broad", vocab=1000, k=1, temperature=0.5, check_tv=False, seed=7),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
@@ -312,8 +327,15 @@ def test_verify_sampling_output_is_distributed_as_p(cfg: Config):
 
 def test_verify_sampling_with_one_hot_q_is_distributed_as_p():
     """Deterministic drafts (n-gram lookup): q is one-hot, the output is still p."""
-    cfg = Config("onehot-v1000-k3-topk10", vocab=1000, k=3, temperature=1.0, top_k=10,
-                 logit_scale=3.0, seed=18)  # fmt: skip
+    cfg = Config(
+        "onehot-v1000-k3-topk10",
+        vocab=1000,
+        k=3,
+        temperature=1.0,
+        top_k=10,
+        logit_scale=3.0,
+        seed=18,
+    )
     p, _ = cfg.distributions()
     order = p.argsort(-1, descending=True)  # [K + 1, V]
     # a likely token, the 3rd most likely one, then a token masked out of p_2
@@ -334,8 +356,9 @@ def test_verify_sampling_with_one_hot_q_is_distributed_as_p():
 def test_verify_sampling_without_q_is_the_one_hot_verdict() -> None:
     """q None (deterministic drafts) gives bitwise the verdicts of the one-hot q it stands for,
     seed by seed: the same uniforms, the same residual, the same draw."""
-    cfg = Config("none-v500-k4", vocab=500, k=4, temperature=1.0, top_k=20, logit_scale=3.0,
-                 seed=21)  # fmt: skip
+    cfg = Config(
+        "none-v500-k4", vocab=500, k=4, temperature=1.0, top_k=20, logit_scale=3.0, seed=21
+    )
     p, _ = cfg.distributions()
     order = p.argsort(-1, descending=True)  # [K + 1, V]
     for seed in range(300):
@@ -386,9 +409,16 @@ def batched_verify(
 
 CONTROL_CONFIGS = [
     Config("control-v10-k3-t1", vocab=10, k=3, temperature=1.0, seed=0),
-    Config("control-v1000-k3-t1-topk50", vocab=1000, k=3, temperature=1.0, top_k=50,
-           logit_scale=3.0, seed=0),
-]  # fmt: skip
+    Config(
+        "control-v1000-k3-t1-topk50",
+        vocab=1000,
+        k=3,
+        temperature=1.0,
+        top_k=50,
+        logit_scale=3.0,
+        seed=0,
+    ),
+]
 CONTROLS = {
     "always-accept": {"accept_all": True},
     "resample-from-p": {"residual_of": p_itself},

@@ -415,8 +415,11 @@ class Report:
     accept_z: float  # (measured - exact) / sigma of the root's acceptance rate
 
     def failures(self) -> list[str]:
-        out = [f"position {j}: chi-square p = {pv:.2e}" for j, pv in enumerate(self.pvalues)
-               if pv < ALPHA]  # fmt: skip
+        out = [
+            f"position {j}: chi-square p = {pv:.2e}"
+            for j, pv in enumerate(self.pvalues)
+            if pv < ALPHA
+        ]
         if self.tv0 > TV_MAX:
             out.append(f"position 0: TV {self.tv0:.4f} > {TV_MAX}")
         if abs(self.accept_z) > SIGMAS:
@@ -462,15 +465,44 @@ def root_q_rows(cfg: Config, world: World) -> list[torch.Tensor]:
 T1 = SamplingParams(temperature=1.0)
 CONFIGS = [
     Config("v10-star3-top", 10, T1, (-1, -1, -1), (0, 1, 2), scale=2.5, seed=3),
-    Config("v10-star3-iid", 10, SamplingParams(temperature=0.5), (-1, -1, -1), (IID,) * 3,
-           scale=2.0, seed=4),
-    Config("v10-depth3-mixed", 10, SamplingParams(temperature=1.5, top_k=6),
-           (-1, -1, 0, 0, 1, 2, 2), (0, IID, 0, IID, IID, IID, IID), scale=5.0, seed=5),
-    Config("v1000-star3-top", 1000, SamplingParams(temperature=1.0, top_k=20), (-1, -1, -1),
-           (0, 1, 999), scale=5.0, drift=1.5, seed=3),
-    Config("v1000-depth2-iid", 1000, SamplingParams(temperature=1.0, top_p=0.9),
-           (-1, -1, 0, 0, 1), (IID,) * 5, scale=5.0, seed=0),
-]  # fmt: skip
+    Config(
+        "v10-star3-iid",
+        10,
+        SamplingParams(temperature=0.5),
+        (-1, -1, -1),
+        (IID,) * 3,
+        scale=2.0,
+        seed=4,
+    ),
+    Config(
+        "v10-depth3-mixed",
+        10,
+        SamplingParams(temperature=1.5, top_k=6),
+        (-1, -1, 0, 0, 1, 2, 2),
+        (0, IID, 0, IID, IID, IID, IID),
+        scale=5.0,
+        seed=5,
+    ),
+    Config(
+        "v1000-star3-top",
+        1000,
+        SamplingParams(temperature=1.0, top_k=20),
+        (-1, -1, -1),
+        (0, 1, 999),
+        scale=5.0,
+        drift=1.5,
+        seed=3,
+    ),
+    Config(
+        "v1000-depth2-iid",
+        1000,
+        SamplingParams(temperature=1.0, top_p=0.9),
+        (-1, -1, 0, 0, 1),
+        (IID,) * 5,
+        scale=5.0,
+        seed=0,
+    ),
+]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
@@ -537,13 +569,18 @@ def batched_star(
 
 
 CONTROL_CONFIGS = [
-    Config("control-v10-star3-top", 10, T1, (-1, -1, -1), (0, 1, 2), scale=1.5, drift=0.7,
-           seed=1),
-    Config("control-v10-star3-iid", 10, T1, (-1, -1, -1), (IID,) * 3, scale=1.5, drift=1.5,
-           seed=0),
-    Config("control-v1000-star3-iid-topk50", 1000, SamplingParams(temperature=1.0, top_k=50),
-           (-1, -1, -1), (IID,) * 3, scale=4.0, seed=0),
-]  # fmt: skip
+    Config("control-v10-star3-top", 10, T1, (-1, -1, -1), (0, 1, 2), scale=1.5, drift=0.7, seed=1),
+    Config("control-v10-star3-iid", 10, T1, (-1, -1, -1), (IID,) * 3, scale=1.5, drift=1.5, seed=0),
+    Config(
+        "control-v1000-star3-iid-topk50",
+        1000,
+        SamplingParams(temperature=1.0, top_k=50),
+        (-1, -1, -1),
+        (IID,) * 3,
+        scale=4.0,
+        seed=0,
+    ),
+]
 CONTROLS = {
     "always-accept": {"accept_all": True},
     "resample-from-p": {"residual_of": p_itself},  # for fixed tokens: rejected not zeroed

@@ -70,9 +70,18 @@ def tiny_chat_llama(
         **({"chat_template": CHAT} if chat else {}),
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    cfg = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=256)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=260,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        pad_token_id=256,
+    )
     model = LlamaForCausalLM(cfg)
     randomize(model, seed=seed, norm_center=1.0)  # logits O(1): no accidental near-ties
     model.save_pretrained(folder)

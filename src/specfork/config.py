@@ -130,9 +130,13 @@ class ModelConfig:
             return RopeConfig(**{**r, "freq_factors": tuple(factors) if factors else None})
 
         return cls(
-            **{**d, "rope": rope(d["rope"]), "rope_local": rope(d.get("rope_local")),
-               "layer_types": tuple(d.get("layer_types", ()))}
-        )  # fmt: skip
+            **{
+                **d,
+                "rope": rope(d["rope"]),
+                "rope_local": rope(d.get("rope_local")),
+                "layer_types": tuple(d.get("layer_types", ())),
+            }
+        )
 
     @property
     def embedding_scale(self) -> float:

@@ -82,55 +82,94 @@ def _drafter_help() -> str:
         "(e.g. ngram+head: the first draft wins)"
     )
     for tree in (s for s in STRATEGY_KINDS if s.tree):
-        names = [k.usage if k.chain else f"{k.usage} ({k.help})" for k in DRAFTER_KINDS
-                 if tree.accepts(k)]  # fmt: skip
+        names = [
+            k.usage if k.chain else f"{k.usage} ({k.help})"
+            for k in DRAFTER_KINDS
+            if tree.accepts(k)
+        ]
         text += f"; for {tree.name} one or more of {', '.join(names)} joined by +"
     default = SpecConfig().drafter
-    others = [f"{s.default_drafter} for {s.name}" for s in STRATEGY_KINDS
-              if s.default_drafter != default]  # fmt: skip
+    others = [
+        f"{s.default_drafter} for {s.name}" for s in STRATEGY_KINDS if s.default_drafter != default
+    ]
     return f"{text} (default: {'; '.join([str(default), *others])})"
 
 
 SPEC_OPTIONS: tuple[SpecOption, ...] = (
     _o("drafter", "str?", "drafting", _drafter_help()),
     _o("k", int, "speculative", "draft length (the maximum for linear-decay)"),
-    _o("k_policy", str, "speculative", "how the draft length changes from round to round",
-       choices=POLICY_NAMES),
+    _o(
+        "k_policy",
+        str,
+        "speculative",
+        "how the draft length changes from round to round",
+        choices=POLICY_NAMES,
+    ),
     _o("self_layers", "str?", "drafting", "self drafter: layers it runs (early exit), e.g. 0-11"),
     _o("skip_layers", "str?", "drafting", "self drafter: layers it skips, e.g. 10-19"),
     _o("max_ngram", int, "drafting", "ngram drafter: longest n tried"),
     _o("min_ngram", int, "drafting", "ngram drafter: shortest n tried"),
-    _o("goodput", bool, "drafting", "verify only the part of a draft expected to pay for its "
-       "verification rows (--no-goodput: every draft as drafted)"),
-    _o("expected_length", int, "speculative", "T of the linear-decay policy (the CLI sets it "
-       "from --max-new-tokens)", cli=False),
+    _o(
+        "goodput",
+        bool,
+        "drafting",
+        "verify only the part of a draft expected to pay for its "
+        "verification rows (--no-goodput: every draft as drafted)",
+    ),
+    _o(
+        "expected_length",
+        int,
+        "speculative",
+        "T of the linear-decay policy (the CLI sets it from --max-new-tokens)",
+        cli=False,
+    ),
     _o("min_k", int, "dspark", "shortest draft"),
     _o("max_k", int, "dspark", "longest draft"),
     _o("low", float, "dspark", "confidence at or below which K = min-k"),
     _o("high", float, "dspark", "confidence at or above which K = max-k"),
-    _o("weights", "floats", "dspark", "weights of the confidence signals",
-       metavar="TOP1,MARGIN,EMA"),
+    _o(
+        "weights",
+        "floats",
+        "dspark",
+        "weights of the confidence signals",
+        metavar="TOP1,MARGIN,EMA",
+    ),
     _o("ema_rate", float, "dspark", "rate of the acceptance EMA, in (0, 1]"),
     _o("margin_scale", float, "dspark", "the top-1/top-2 margin counts min(scale * margin, 1)"),
     _o("forks", int, "spork", "first-level forks"),
     _o("depth", int, "spork", "tokens per fork"),
-    _o("tree", str, "spork", "forks = forks x depth; dynamic = the budget best nodes",
-       choices=TREE_SHAPES),
+    _o(
+        "tree",
+        str,
+        "spork",
+        "forks = forks x depth; dynamic = the budget best nodes",
+        choices=TREE_SHAPES,
+    ),
     _o("budget", int, "spork", "most tree nodes"),
     _o("tau", float, "spork", "prune nodes whose prior score is below this, in [0, 1)"),
-    _o("tau_max", float, "spork", "highest tau the controller may reach (with --tau as a floor "
-       "for this bound), in [0, 1); 0: nothing pruned"),
+    _o(
+        "tau_max",
+        float,
+        "spork",
+        "highest tau the controller may reach (with --tau as a floor "
+        "for this bound), in [0, 1); 0: nothing pruned",
+    ),
     _o("target_acceptance", float, "spork", "acceptance the tau controller steers toward"),
     _o("adapt", bool, "spork", "adapt forks, depth and tau as the run goes (--no-adapt: fixed)"),
-    _o("recycle_persist", bool, "spork", "keep the recycle table across requests (Token "
-       "Recycling)"),
-    _o("recycle_prior", bool, "spork", "start the recycle table from the target's prediction "
-       "after every token (computed once per model, ~25 s, and cached)"),
-    _o("lossy_typical", bool, "spork", "LOSSY: Medusa typical acceptance, not exact "
-       "verification"),
+    _o(
+        "recycle_persist", bool, "spork", "keep the recycle table across requests (Token Recycling)"
+    ),
+    _o(
+        "recycle_prior",
+        bool,
+        "spork",
+        "start the recycle table from the target's prediction "
+        "after every token (computed once per model, ~25 s, and cached)",
+    ),
+    _o("lossy_typical", bool, "spork", "LOSSY: Medusa typical acceptance, not exact verification"),
     _o("typical_epsilon", float, "spork", "lossy typical acceptance: epsilon"),
     _o("typical_delta", float, "spork", "lossy typical acceptance: delta"),
-)  # fmt: skip
+)
 OPTIONS_BY_NAME = {o.name: o for o in SPEC_OPTIONS}
 
 

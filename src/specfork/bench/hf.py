@@ -88,8 +88,12 @@ def generate_kwargs(
     if sampling.greedy:
         kw["do_sample"] = False
     else:
-        kw.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
-                  top_p=sampling.top_p)  # fmt: skip
+        kw.update(
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+        )
         if sampling.min_p > 0:
             kw["min_p"] = sampling.min_p
     return kw
@@ -130,9 +134,14 @@ def hf_runner(
         else:  # noise hid the difference (tiny models on busy CPUs): the whole run, a lower bound
             rate = decoded / tn if tn > 0 else 0.0
         finish = "stop" if stop is not None else "length"
-        return RunOutput(token_ids=produced, new_tokens=decoded, decode_tokens_per_second=rate,
-                         time_to_first_token=t1, wall_seconds=t1 + tn,
-                         finish_reason=finish)  # fmt: skip
+        return RunOutput(
+            token_ids=produced,
+            new_tokens=decoded,
+            decode_tokens_per_second=rate,
+            time_to_first_token=t1,
+            wall_seconds=t1 + tn,
+            finish_reason=finish,
+        )
 
     return run
 
@@ -173,12 +182,14 @@ def build_hf_strategy(
             k: v for k, v in method_kwargs.items() if k != "assistant_model"
         }
         description["threads"] = threads
-        run = hf_runner(model, n, eos_ids, sampling, ignore_eos=ignore_eos, threads=threads,
-                        **method_kwargs)  # fmt: skip
+        run = hf_runner(
+            model, n, eos_ids, sampling, ignore_eos=ignore_eos, threads=threads, **method_kwargs
+        )
         return BenchStrategy(spec.label, "hf", run, description)
     except MissingDependencyError as exc:  # not installed: skipped, with the pip command
         error = f"{spec.label} needs {exc.extra.package}: {exc.extra.command}"
         return BenchStrategy(spec.label, "hf", None, description, error=error, skipped=True)
     except Exception as exc:
-        return BenchStrategy(spec.label, "hf", None, description,
-                             error=f"cannot load: {type(exc).__name__}: {exc}")  # fmt: skip
+        return BenchStrategy(
+            spec.label, "hf", None, description, error=f"cannot load: {type(exc).__name__}: {exc}"
+        )

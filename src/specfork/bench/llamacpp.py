@@ -34,9 +34,13 @@ def llamacpp_available() -> bool:
 
 
 def _load(
-    label: str, path: Path, n_ctx: int, seed: int | None, lookup: dict[str, int] | None,
+    label: str,
+    path: Path,
+    n_ctx: int,
+    seed: int | None,
+    lookup: dict[str, int] | None,
     threads: int,
-) -> Any:  # fmt: skip
+) -> Any:
     Llama = require("llama_cpp", label).Llama
 
     kwargs: dict[str, Any] = {}
@@ -48,18 +52,26 @@ def _load(
         )
         kwargs["logits_all"] = True  # speculation reads every row's logits
     return Llama(
-        model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads,
-        seed=seed if seed is not None else 0, verbose=False, **kwargs,
-    )  # fmt: skip
+        model_path=str(path),
+        n_ctx=n_ctx,
+        n_batch=512,
+        n_threads=threads,
+        seed=seed if seed is not None else 0,
+        verbose=False,
+        **kwargs,
+    )
 
 
 def _sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
     if sampling.greedy:
         return {"temp": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0}
     return {
-        "temp": sampling.temperature, "top_k": sampling.top_k or 0, "top_p": sampling.top_p,
-        "min_p": sampling.min_p, "repeat_penalty": 1.0,
-    }  # fmt: skip
+        "temp": sampling.temperature,
+        "top_k": sampling.top_k or 0,
+        "top_p": sampling.top_p,
+        "min_p": sampling.min_p,
+        "repeat_penalty": 1.0,
+    }
 
 
 def llamacpp_runner(
@@ -111,16 +123,24 @@ def build_llamacpp_strategy(
             raise ValueError("llama.cpp runs GGUF files; this model is a checkpoint folder")
         lookup = None
         if spec.method == "lookup":
-            lookup = {"k": spec.options.get("k", DEFAULT_LOOKUP_K),
-                      "max_ngram": spec.options.get("max_ngram", DEFAULT_LOOKUP_NGRAM)}  # fmt: skip
+            lookup = {
+                "k": spec.options.get("k", DEFAULT_LOOKUP_K),
+                "max_ngram": spec.options.get("max_ngram", DEFAULT_LOOKUP_NGRAM),
+            }
             description["lookup"] = lookup
         llm = _load(spec.label, target_path, context, sampling.seed, lookup, threads)
         description["threads"] = threads
         run = llamacpp_runner(llm, n, eos_ids, sampling, ignore_eos)
         return BenchStrategy(spec.label, "llamacpp", run, description)
     except MissingDependencyError as exc:  # not installed (or broken): skipped, with the command
-        return BenchStrategy(spec.label, "llamacpp", None, description, error=str(exc),
-                             skipped=True)  # fmt: skip
+        return BenchStrategy(
+            spec.label, "llamacpp", None, description, error=str(exc), skipped=True
+        )
     except Exception as exc:
-        return BenchStrategy(spec.label, "llamacpp", None, description,
-                             error=f"cannot load: {type(exc).__name__}: {exc}")  # fmt: skip
+        return BenchStrategy(
+            spec.label,
+            "llamacpp",
+            None,
+            description,
+            error=f"cannot load: {type(exc).__name__}: {exc}",
+        )

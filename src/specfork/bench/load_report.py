@@ -216,17 +216,34 @@ class LoadReport:
         return "\n\n".join(parts) + "\n"
 
     def _main_table(self) -> str:
-        header = ["configuration", "clients", "requests", "requests/s", "tokens/s",
-                  "p50 latency (s)", "p95 latency (s)", "p50 TTFT (s)", "mean accepted length",
-                  "same text"]  # fmt: skip
+        header = [
+            "configuration",
+            "clients",
+            "requests",
+            "requests/s",
+            "tokens/s",
+            "p50 latency (s)",
+            "p95 latency (s)",
+            "p50 TTFT (s)",
+            "mean accepted length",
+            "same text",
+        ]
         repeats = self.settings.repeats
         rows = [
-            [r.config, r.concurrency, r.requests, f"{r.requests_per_s:.2f}",
-             f"{r.tokens_per_s:.1f}", f"{r.p50:.2f}", f"{r.p95:.2f}", f"{r.ttft_p50:.2f}",
-             f"{r.mean_accepted:.2f}",
-             "yes" if not r.differing else f"no ({r.differing} of {r.requests * repeats})"]
+            [
+                r.config,
+                r.concurrency,
+                r.requests,
+                f"{r.requests_per_s:.2f}",
+                f"{r.tokens_per_s:.1f}",
+                f"{r.p50:.2f}",
+                f"{r.p95:.2f}",
+                f"{r.ttft_p50:.2f}",
+                f"{r.mean_accepted:.2f}",
+                "yes" if not r.differing else f"no ({r.differing} of {r.requests * repeats})",
+            ]
             for r in self.rows
-        ]  # fmt: skip
+        ]
         return md_table(header, rows)
 
     def _library_table(self) -> str:
@@ -243,14 +260,28 @@ class LoadReport:
                 continue
             tps = statistics.median(c.decode_tps for c in checks)
             latency = statistics.median(c.latency for c in checks)
-            rows.append([config.label, f"{row.server_decode_tps:.1f}", f"{tps:.1f}",
-                         _ratio(row.server_decode_tps, tps), f"{row.server_latency:.3f}",
-                         f"{latency:.3f}", _ratio(row.server_latency, latency)])  # fmt: skip
+            rows.append(
+                [
+                    config.label,
+                    f"{row.server_decode_tps:.1f}",
+                    f"{tps:.1f}",
+                    _ratio(row.server_decode_tps, tps),
+                    f"{row.server_latency:.3f}",
+                    f"{latency:.3f}",
+                    _ratio(row.server_latency, latency),
+                ]
+            )
         if not rows:
             return ""
-        header = ["configuration", "decode tok/s, server (1 client)", "library",
-                  "server / library", "latency (s), server (1 client)", "library",
-                  "server / library"]  # fmt: skip
+        header = [
+            "configuration",
+            "decode tok/s, server (1 client)",
+            "library",
+            "server / library",
+            "latency (s), server (1 client)",
+            "library",
+            "server / library",
+        ]
         return (
             f"One request at a time, on the library check's {LIBRARY_PROMPTS} prompts (decode "
             f"speed without prefill; latency of the whole request, prefill included):\n\n"
@@ -324,8 +355,13 @@ def plot_tokens_per_s(rows: Sequence[Row], configs: Sequence[LoadConfig], path: 
     for config in configs:
         mine = [r for r in rows if r.config == config.label]
         style = "-" if config.max_running > 1 else "--"
-        ax.plot([r.concurrency for r in mine], [r.tokens_per_s for r in mine], style, marker="o",
-                label=config.label)  # fmt: skip
+        ax.plot(
+            [r.concurrency for r in mine],
+            [r.tokens_per_s for r in mine],
+            style,
+            marker="o",
+            label=config.label,
+        )
     levels = sorted({r.concurrency for r in rows})
     ax.set_xscale("log", base=2)
     ax.set_xticks(levels, [str(n) for n in levels])

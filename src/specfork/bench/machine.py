@@ -53,7 +53,7 @@ def machine_info(
     threads: int | None = None,
 ) -> dict[str, Any]:
     """What results.json records about the machine and software (dtype: the precision;
-    threads: what the run computed with, default PyTorch's intra-op threads)."""  # fmt: skip
+    threads: what the run computed with, default PyTorch's intra-op threads)."""
     try:
         import transformers
 
@@ -61,9 +61,16 @@ def machine_info(
     except ImportError:
         tf_version = None
     return {
-        "cpu": cpu_name(), "cpu_count": os.cpu_count(),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
         "threads": threads if threads is not None else torch.get_num_threads(),
-        "torch": torch.__version__, "transformers": tf_version, "python": platform.python_version(),
-        "platform": platform.platform(), "specfork": __version__, "dtype": dtype, "device": device,
-        "backend": backend, "command": command_line(),
-    }  # fmt: skip
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "specfork": __version__,
+        "dtype": dtype,
+        "device": device,
+        "backend": backend,
+        "command": command_line(),
+    }

@@ -138,16 +138,21 @@ def _json_object(response: Any, url: str) -> dict[str, Any]:
         body = response.json()
     except ValueError:
         kind = response.headers.get("content-type", "no content type")
-        raise ServerAnswerError(f"{url} answered {kind}, not JSON: not an OpenAI-compatible API? "
-                                f"({_short(response.text)})") from None  # fmt: skip
+        raise ServerAnswerError(
+            f"{url} answered {kind}, not JSON: not an OpenAI-compatible API? "
+            f"({_short(response.text)})"
+        ) from None
     if not isinstance(body, dict):
         raise ServerAnswerError(f"{url} answered {_short(body)}, not a JSON object")
     return body
 
 
 def _status_error(response: Any, url: str) -> str:
-    hint = " (is the URL the API's base, e.g. http://host:8000/v1?)" if response.status_code in (
-        404, 405) else ""  # fmt: skip
+    hint = (
+        " (is the URL the API's base, e.g. http://host:8000/v1?)"
+        if response.status_code in (404, 405)
+        else ""
+    )
     return f"{url} answered HTTP {response.status_code}{hint}: {_short(response.text)}"
 
 
@@ -164,9 +169,12 @@ def _short(value: Any) -> str:
 def request_body(model: str, n: int, sampling: SamplingParams, ignore_eos: bool) -> dict[str, Any]:
     """What every request sends besides the prompt."""
     body: dict[str, Any] = {
-        "model": model, "max_tokens": n, "temperature": sampling.temperature,
-        "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
+        "model": model,
+        "max_tokens": n,
+        "temperature": sampling.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if sampling.seed is not None:
         body["seed"] = sampling.seed
     if ignore_eos:
@@ -246,14 +254,19 @@ def _output(
         raise ServerAnswerError(f"{url} streamed no content ({tokens} completion tokens)")
     span = last - first
     if tokens > 1 and span <= 0:
-        raise ServerAnswerError(f"{url} sent all {tokens} tokens in one chunk: no decode time "
-                                "to measure (does the server stream?)")  # fmt: skip
+        raise ServerAnswerError(
+            f"{url} sent all {tokens} tokens in one chunk: no decode time "
+            "to measure (does the server stream?)"
+        )
     return RunOutput(
-        token_ids=[], new_tokens=tokens,
+        token_ids=[],
+        new_tokens=tokens,
         decode_tokens_per_second=(tokens - 1) / span if tokens > 1 else 0.0,
-        time_to_first_token=first - t0, wall_seconds=end - t0,
-        finish_reason=finish, text=text,
-    )  # fmt: skip
+        time_to_first_token=first - t0,
+        wall_seconds=end - t0,
+        finish_reason=finish,
+        text=text,
+    )
 
 
 def build_openai_strategy(
@@ -261,14 +274,18 @@ def build_openai_strategy(
 ) -> BenchStrategy:
     """A ready server baseline (its model resolved), or one carrying why it cannot run."""
     url, model = spec.options["url"], spec.options.get("model")
-    description = {**spec.describe(), "url": url,
-                   "endpoint": "/chat/completions" if chat else "/completions",
-                   "ignore_eos_sent": ignore_eos}  # fmt: skip
+    description = {
+        **spec.describe(),
+        "url": url,
+        "endpoint": "/chat/completions" if chat else "/completions",
+        "ignore_eos_sent": ignore_eos,
+    }
     try:
         server = OpenAIServer(url, os.environ.get("OPENAI_API_KEY") or None)
         description["model"] = model = model or server.first_model()
     except (ImportError, ServerAnswerError) as exc:
-        return BenchStrategy(spec.label, "openai", None, description,
-                             error=f"cannot use the server: {exc}")  # fmt: skip
+        return BenchStrategy(
+            spec.label, "openai", None, description, error=f"cannot use the server: {exc}"
+        )
     run = openai_runner(server, model, n, sampling, ignore_eos)
     return BenchStrategy(spec.label, "openai", run, description, takes_prompt=True)

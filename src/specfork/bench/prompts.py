@@ -74,8 +74,10 @@ def parse_line(line: str, where: str, default_id: int = 0) -> BenchPrompt:
         )
     turns = [row["prompt"]] if "prompt" in row and "turns" not in row else row.get("turns")
     if not isinstance(turns, list) or not turns:
-        raise PromptError(f"{where}: 'turns' must be a non-empty list of user messages "
-                          "(or give 'prompt': a string)")  # fmt: skip
+        raise PromptError(
+            f"{where}: 'turns' must be a non-empty list of user messages "
+            "(or give 'prompt': a string)"
+        )
     if not isinstance(turns[0], str) or not turns[0].strip():
         raise PromptError(f"{where}: the prompt (first turn) must be a non-empty string")
     for number, turn in enumerate(turns[1:], 2):

@@ -97,8 +97,13 @@ class BenchStrategy:
         return "skipped" if self.skipped else ("ok" if self.ok else "failed")
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.description, "label": self.label, "family": self.family,
-                "status": self.status, "error": self.error}  # fmt: skip
+        return {
+            **self.description,
+            "label": self.label,
+            "family": self.family,
+            "status": self.status,
+            "error": self.error,
+        }
 
 
 @dataclass
@@ -184,12 +189,17 @@ class Measurement:
     def to_dict(self) -> dict[str, Any]:
         o = self.output
         out: dict[str, Any] = {
-            "sequence": self.sequence, "strategy": self.strategy,
-            "prompt_index": self.prompt_index, "turn": self.turn,
-            "question_id": self.question_id, "category": self.category,
-            "repeat": self.repeat, "ok": self.ok,
-            "error": self.error, "peak_rss_mb": self.peak_rss_mb,
-        }  # fmt: skip
+            "sequence": self.sequence,
+            "strategy": self.strategy,
+            "prompt_index": self.prompt_index,
+            "turn": self.turn,
+            "question_id": self.question_id,
+            "category": self.category,
+            "repeat": self.repeat,
+            "ok": self.ok,
+            "error": self.error,
+            "peak_rss_mb": self.peak_rss_mb,
+        }
         if o is not None:
             out.update(
                 output_tokens=len(o.token_ids),

@@ -128,8 +128,13 @@ def print_tables(doc: Mapping[str, Any], console: Console) -> None:
         tables.append((_TIME_TITLE, SHARES, summary))
     for turn, by_turn in turn_summaries(doc):
         keys = (*_SPEED[:2], "mean_accepted_length", "greedy_match_rate")
-        tables.append((f"turn {turn} (medians; speedup over {doc['reference']} on turn {turn})",
-                       keys, by_turn))  # fmt: skip
+        tables.append(
+            (
+                f"turn {turn} (medians; speedup over {doc['reference']} on turn {turn})",
+                keys,
+                by_turn,
+            )
+        )
     for title, keys, source in tables:
         table = Table(title=title)
         table.add_column("strategy", overflow="fold")
@@ -249,15 +254,29 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
     lines += [overall, "", _overall_table(doc, doc["summary"]), ""]
     lines += _category_tables(doc, doc["summary"], cats, "")
     if _has_shares(doc):
-        lines += [f"## {_TIME_TITLE[0].upper()}{_TIME_TITLE[1:]}", "", _TIME_TEXT, "",
-                  _shares_table(doc), ""]  # fmt: skip
+        lines += [
+            f"## {_TIME_TITLE[0].upper()}{_TIME_TITLE[1:]}",
+            "",
+            _TIME_TEXT,
+            "",
+            _shares_table(doc),
+            "",
+        ]
     for turn, by_turn in turn_summaries(doc):
         lines += [f"## Turn {turn}", "", _overall_table(doc, by_turn), ""]
         lines += _category_tables(doc, by_turn, cats, f"turn {turn}: ", ("speedup",))
-    lines += ["## Strategies", "", md_table(
-        ["strategy", "family", "status", "error"],
-        [[s["label"], s["family"], s["status"], s.get("error") or ""] for s in doc["strategies"]],
-    ), ""]  # fmt: skip
+    lines += [
+        "## Strategies",
+        "",
+        md_table(
+            ["strategy", "family", "status", "error"],
+            [
+                [s["label"], s["family"], s["status"], s.get("error") or ""]
+                for s in doc["strategies"]
+            ],
+        ),
+        "",
+    ]
     if plots:
         lines += ["## Plots", ""]
         lines += [f"![{p.stem}]({p.name})" for p in plots]
@@ -290,9 +309,11 @@ def _shares_table(doc: Mapping[str, Any]) -> str:
     summary = doc["summary"]
     return md_table(
         ["strategy", *(_TITLES[k] for k in SHARES)],
-        [[s["label"], *(fmt_cell(k, summary[s["label"]][OVERALL]) for k in SHARES)]
-         for s in _rows(doc)],
-    )  # fmt: skip
+        [
+            [s["label"], *(fmt_cell(k, summary[s["label"]][OVERALL]) for k in SHARES)]
+            for s in _rows(doc)
+        ],
+    )
 
 
 def _turns_text(doc: Mapping[str, Any]) -> str:
@@ -310,9 +331,11 @@ def _overall_table(doc: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
     figures = _figures(doc)
     return md_table(
         ["strategy", *(t for _, t, _ in figures)],
-        [[s["label"], *(fmt_cell(k, summary[s["label"]][OVERALL]) for k, _, _ in figures)]
-         for s in _rows(doc)],
-    )  # fmt: skip
+        [
+            [s["label"], *(fmt_cell(k, summary[s["label"]][OVERALL]) for k, _, _ in figures)]
+            for s in _rows(doc)
+        ],
+    )
 
 
 def _category_tables(
@@ -324,12 +347,20 @@ def _category_tables(
 ) -> list[str]:
     lines: list[str] = []
     for key in keys:
-        lines += [f"### {prefix}{_TITLES[key]} by category" if prefix else
-                  f"## {_TITLES[key]} by category", "", md_table(
-            ["strategy", *cats],
-            [[s["label"], *(fmt_cell(key, summary[s["label"]][c]) for c in cats)]
-             for s in _rows(doc)],
-        ), ""]  # fmt: skip
+        lines += [
+            f"### {prefix}{_TITLES[key]} by category"
+            if prefix
+            else f"## {_TITLES[key]} by category",
+            "",
+            md_table(
+                ["strategy", *cats],
+                [
+                    [s["label"], *(fmt_cell(key, summary[s["label"]][c]) for c in cats)]
+                    for s in _rows(doc)
+                ],
+            ),
+            "",
+        ]
     return lines
 
 
@@ -434,8 +465,13 @@ def _plot_acceptance(doc: Mapping[str, Any], out: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(8.0, 4.2))
     markers = "osD^v<>pX*h"
     for n, (label, ys) in enumerate(curves.items()):
-        ax.plot(range(1, len(ys) + 1), ys, marker=markers[n % len(markers)],
-                color=plt.get_cmap("tab20")(n % 20), label=label)  # fmt: skip
+        ax.plot(
+            range(1, len(ys) + 1),
+            ys,
+            marker=markers[n % len(markers)],
+            color=plt.get_cmap("tab20")(n % 20),
+            label=label,
+        )
     ax.set_xlabel("draft position")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("acceptance rate (all runs)")
@@ -483,8 +519,11 @@ def _plot_forks(doc: Mapping[str, Any], out: Path) -> Path | None:
         names = sorted(counts, key=_fork_sort_key)
         ax.bar(names, [counts[n] for n in names])
         ax.set_title(label, fontsize="small")
-        ax.set_xlabel("winning fork (none: no drafted token was right,\nthe round emitted the "
-                      "target's own token)", fontsize="small")  # fmt: skip
+        ax.set_xlabel(
+            "winning fork (none: no drafted token was right,\nthe round emitted the "
+            "target's own token)",
+            fontsize="small",
+        )
         ax.set_ylabel("rounds (first repeat)")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(axis="x", rotation=30)

@@ -89,20 +89,27 @@ def specfork_runner(
         if constraint is not None:
             valid = res.finish_reason == "stop" and constraint.matches(res.text)
         return RunOutput(
-            token_ids=list(res.token_ids), new_tokens=s.new_tokens,
+            token_ids=list(res.token_ids),
+            new_tokens=s.new_tokens,
             decode_tokens_per_second=s.decode_tokens_per_second,
-            time_to_first_token=s.time_to_first_token, wall_seconds=wall,
-            target_forwards=s.target_forwards, draft_forwards=s.draft_forwards,
-            drafted=s.drafted, accepted=s.accepted,
+            time_to_first_token=s.time_to_first_token,
+            wall_seconds=wall,
+            target_forwards=s.target_forwards,
+            draft_forwards=s.draft_forwards,
+            drafted=s.drafted,
+            accepted=s.accepted,
             mean_accepted_length=s.mean_accepted_length,
             accepted_by_position=list(s.accepted_by_position),
             drafted_by_position=list(s.drafted_by_position),
-            rounds=[round_dict(r) for r in s.rounds], finish_reason=res.finish_reason,
-            valid=valid, decode_seconds=s.decode_seconds, phase_seconds=dict(s.phase_seconds),
+            rounds=[round_dict(r) for r in s.rounds],
+            finish_reason=res.finish_reason,
+            valid=valid,
+            decode_seconds=s.decode_seconds,
+            phase_seconds=dict(s.phase_seconds),
             plain_steps=plain_steps(
                 generator, [(r.drafted + 1, s.prompt_tokens + r.position) for r in s.rounds]
             ),
-        )  # fmt: skip
+        )
 
     return run
 
@@ -177,14 +184,23 @@ def run_interleaved(
             p: PreparedPrompt | None = first
             last = len(first.prompt.turns) if next_turn else 1
             while p is not None:
-                _measure_turn(active, p, repeats, len(prompts), measurements, progress,
-                              measure_memory, multi_turn=next_turn is not None)  # fmt: skip
+                _measure_turn(
+                    active,
+                    p,
+                    repeats,
+                    len(prompts),
+                    measurements,
+                    progress,
+                    measure_memory,
+                    multi_turn=next_turn is not None,
+                )
                 _update_running(running, measurements, p, reference)
                 progress.speedups({k: statistics.median(v) for k, v in running.items() if v})
                 if next_turn is None or p.turn >= last:
                     break
-                p = _next_turn(next_turn, p, measurements, reference, active, repeats,
-                               last, progress)  # fmt: skip
+                p = _next_turn(
+                    next_turn, p, measurements, reference, active, repeats, last, progress
+                )
         for s in ready:  # strategies that failed their warm-up: their slots count as done
             if s.error is not None:
                 for _ in range(repeats * turns):
@@ -224,9 +240,13 @@ def _next_turn(
 ) -> PreparedPrompt | None:
     """The prompt's next turn built on the reference's answer; None (and every later turn
     recorded as failed) when the reference has no answer or the turn cannot be built."""
-    ref = [m for m in measurements
-           if (m.strategy, m.prompt_index, m.turn) == (reference, p.index, p.turn)
-           and m.ok and m.output is not None]  # fmt: skip
+    ref = [
+        m
+        for m in measurements
+        if (m.strategy, m.prompt_index, m.turn) == (reference, p.index, p.turn)
+        and m.ok
+        and m.output is not None
+    ]
     if ref:
         try:
             return next_turn(p, min(ref, key=lambda m: m.repeat).output)  # type: ignore[arg-type]
@@ -237,10 +257,19 @@ def _next_turn(
     for turn in range(p.turn + 1, last + 1):
         for r in range(repeats):
             for s in active:
-                measurements.append(Measurement(
-                    len(measurements), s.label, p.index, p.prompt.question_id, p.category, r,
-                    False, error=error, turn=turn,
-                ))  # fmt: skip
+                measurements.append(
+                    Measurement(
+                        len(measurements),
+                        s.label,
+                        p.index,
+                        p.prompt.question_id,
+                        p.category,
+                        r,
+                        False,
+                        error=error,
+                        turn=turn,
+                    )
+                )
                 progress.advance()
     return None
 
@@ -248,8 +277,9 @@ def _next_turn(
 def _measure(
     s: BenchStrategy, p: PreparedPrompt, repeat: int, sequence: int, measure_memory: bool
 ) -> Measurement:
-    m = Measurement(sequence, s.label, p.index, p.prompt.question_id, p.category, repeat, True,
-                    turn=p.turn)  # fmt: skip
+    m = Measurement(
+        sequence, s.label, p.index, p.prompt.question_id, p.category, repeat, True, turn=p.turn
+    )
     if measure_memory:
         reset_peak_memory()
     try:
@@ -336,26 +366,38 @@ class BenchSettings:
 
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig(
-            max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos, exact=self.exact,
+            max_new_tokens=self.max_new_tokens,
+            ignore_eos=self.ignore_eos,
+            exact=self.exact,
             constraint=self.constraint,
-        )  # fmt: skip
+        )
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, seed=self.seed)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model, "dtype": self.dtype, "device": self.device,
-            "kernels": self.kernels, "threads": self.threads, "exact": self.exact,
-            "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-            "seed": self.seed, "ignore_eos": self.ignore_eos, "repeats": self.repeats,
-            "warmup": self.warmup, "near_tie_tolerance": self.near_tie,
-            "prompts_source": self.prompts_source, "turns": self.turns,
+            "model": self.model,
+            "dtype": self.dtype,
+            "device": self.device,
+            "kernels": self.kernels,
+            "threads": self.threads,
+            "exact": self.exact,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "repeats": self.repeats,
+            "warmup": self.warmup,
+            "near_tie_tolerance": self.near_tie,
+            "prompts_source": self.prompts_source,
+            "turns": self.turns,
             "prompt_suffix": self.prompt_suffix,
-            "constraint": None if self.constraint is None else {
-                "kind": self.constraint.kind, "source": self.constraint.source},
+            "constraint": None
+            if self.constraint is None
+            else {"kind": self.constraint.kind, "source": self.constraint.source},
             "strategy_specs": [s.label for s in self.strategies],
-        }  # fmt: skip
+        }
 
 
 @dataclass
@@ -432,9 +474,14 @@ def run_benchmark(
 
         status = console.status(f"loading {settings.model}…") if console else _null()
         with status:
-            loaded = load_model(settings.model, dtype=settings.dtype, device=settings.device,
-                                kernels=True if settings.exact else settings.kernels,
-                                threads=settings.threads, progress=False)  # fmt: skip
+            loaded = load_model(
+                settings.model,
+                dtype=settings.dtype,
+                device=settings.device,
+                kernels=True if settings.exact else settings.kernels,
+                threads=settings.threads,
+                progress=False,
+            )
     generator = Generator(loaded)
     reference = next(s.label for s in specs if s.is_plain)
     if settings.repeats > 1 and any(_persistent_recycle(s.spec) for s in specs):
@@ -464,11 +511,15 @@ def run_benchmark(
 
     threads_at_start = loaded.model.thread_use()
     measurements = run_interleaved(
-        strategies, prompts, repeats=settings.repeats, warmup=settings.warmup,
-        reference=reference, progress=progress,
+        strategies,
+        prompts,
+        repeats=settings.repeats,
+        warmup=settings.warmup,
+        reference=reference,
+        progress=progress,
         warmup_prompt=first_turn(generator, -1, warmup, chat),
         next_turn=next_turn if multi_turn else None,
-    )  # fmt: skip
+    )
     threads = loaded.model.thread_use().since(threads_at_start)
     if threads.warning() is not None:
         notes.append(
@@ -499,28 +550,41 @@ def run_benchmark(
     text_labels = {s.label for s in strategies if s.family == "openai"}
     seeded_labels = {s.label for s in strategies if s.family == "specfork"} if seeded else set()
     per_prompt = per_prompt_figures(
-        measurements, labels, prompts, reference=reference,
-        gap_fn=lambda ctx: top2_gap(loaded, ctx), greedy=sampling.greedy,
+        measurements,
+        labels,
+        prompts,
+        reference=reference,
+        gap_fn=lambda ctx: top2_gap(loaded, ctx),
+        greedy=sampling.greedy,
         near_tie=settings.near_tie,
         logprob_fn=lambda prompt, out: target_logprob(loaded, prompt, out),
         decode_fn=lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True),
-        text_labels=text_labels, seeded_labels=seeded_labels,
-    )  # fmt: skip
+        text_labels=text_labels,
+        seeded_labels=seeded_labels,
+    )
     by_turn = None
     if multi_turn:
-        by_turn = {str(t): summarize(per_prompt, labels, categories, turn=t)
-                   for t in turns_of(per_prompt)}  # fmt: skip
-    machine = machine_info(loaded.model.precision, str(loaded.model.device),
-                           loaded.model.describe(), threads.threads)  # fmt: skip
+        by_turn = {
+            str(t): summarize(per_prompt, labels, categories, turn=t) for t in turns_of(per_prompt)
+        }
+    machine = machine_info(
+        loaded.model.precision, str(loaded.model.device), loaded.model.describe(), threads.threads
+    )
     machine["thread_use"] = asdict(threads)
     return BenchResults(
         settings=settings,
         machine=machine,
-        strategies=strategies, prompts=prompts, measurements=measurements,
-        per_prompt=per_prompt, summary=summarize(per_prompt, labels, categories),
-        categories=categories, reference=reference, notes=notes, model_path=str(loaded.path),
+        strategies=strategies,
+        prompts=prompts,
+        measurements=measurements,
+        per_prompt=per_prompt,
+        summary=summarize(per_prompt, labels, categories),
+        categories=categories,
+        reference=reference,
+        notes=notes,
+        model_path=str(loaded.path),
         summary_by_turn=by_turn,
-    )  # fmt: skip
+    )
 
 
 def first_turn(
@@ -541,10 +605,14 @@ def following_turn(
     text = answer.text
     if text is None:
         text = generator.tokenizer.decode(answer.token_ids, skip_special_tokens=True)
-    messages = [*p.messages, {"role": "assistant", "content": text},
-                {"role": "user", "content": p.prompt.turns[p.turn] + suffix}]  # fmt: skip
-    return PreparedPrompt(p.index, p.prompt, generator.encode_prompt(messages), p.turn + 1,
-                          messages, p.chat)  # fmt: skip
+    messages = [
+        *p.messages,
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": p.prompt.turns[p.turn] + suffix},
+    ]
+    return PreparedPrompt(
+        p.index, p.prompt, generator.encode_prompt(messages), p.turn + 1, messages, p.chat
+    )
 
 
 def _longest(
@@ -611,8 +679,14 @@ def _build_hf(
         note = "transformers is not installed: its baselines are skipped (pip install transformers)"
         if note not in notes:
             notes.append(note)
-        return BenchStrategy(spec.label, "hf", None, spec.describe(),
-                             error="transformers is not installed", skipped=True)  # fmt: skip
+        return BenchStrategy(
+            spec.label,
+            "hf",
+            None,
+            spec.describe(),
+            error="transformers is not installed",
+            skipped=True,
+        )
     if "models" not in state:
         state["models"] = hf.HFModels(hf_dtype(loaded.model), loaded.model.device)
     drafts = [
@@ -623,10 +697,16 @@ def _build_hf(
         if source.kind == "model"
     ]
     return hf.build_hf_strategy(
-        spec, target_path=loaded.path, models=state["models"], n=settings.max_new_tokens,
-        eos_ids=loaded.tokenizer.eos_ids, sampling=sampling, ignore_eos=settings.ignore_eos,
-        default_draft=drafts[0] if drafts else None, threads=loaded.model.thread_use().threads,
-    )  # fmt: skip
+        spec,
+        target_path=loaded.path,
+        models=state["models"],
+        n=settings.max_new_tokens,
+        eos_ids=loaded.tokenizer.eos_ids,
+        sampling=sampling,
+        ignore_eos=settings.ignore_eos,
+        default_draft=drafts[0] if drafts else None,
+        threads=loaded.model.thread_use().threads,
+    )
 
 
 def _build_llamacpp(
@@ -641,18 +721,26 @@ def _build_llamacpp(
     from specfork.extras import EXTRAS
 
     if not llamacpp.llamacpp_available():
-        note = ("llama-cpp-python is not installed: its baselines are skipped "
-                '(pip install "specfork[llamacpp]", see docs/benchmarks.md)')  # fmt: skip
+        note = (
+            "llama-cpp-python is not installed: its baselines are skipped "
+            '(pip install "specfork[llamacpp]", see docs/benchmarks.md)'
+        )
         if note not in notes:
             notes.append(note)
         error = f"{spec.label} needs llama-cpp-python: {EXTRAS['llama_cpp'].command}"
-        return BenchStrategy(spec.label, "llamacpp", None, spec.describe(), error=error,
-                             skipped=True)  # fmt: skip
+        return BenchStrategy(
+            spec.label, "llamacpp", None, spec.describe(), error=error, skipped=True
+        )
     return llamacpp.build_llamacpp_strategy(
-        spec, target_path=loaded.path, n=settings.max_new_tokens, context=context,
-        eos_ids=loaded.tokenizer.eos_ids, sampling=sampling, ignore_eos=settings.ignore_eos,
+        spec,
+        target_path=loaded.path,
+        n=settings.max_new_tokens,
+        context=context,
+        eos_ids=loaded.tokenizer.eos_ids,
+        sampling=sampling,
+        ignore_eos=settings.ignore_eos,
         threads=loaded.model.thread_use().threads,
-    )  # fmt: skip
+    )
 
 
 def _build_openai(
@@ -668,14 +756,25 @@ def _build_openai(
         note = f"httpx is not installed: openai: baselines are skipped ({openai_api.INSTALL})"
         if note not in notes:
             notes.append(note)
-        return BenchStrategy(spec.label, "openai", None, spec.describe(),
-                             error="httpx is not installed", skipped=True)  # fmt: skip
+        return BenchStrategy(
+            spec.label,
+            "openai",
+            None,
+            spec.describe(),
+            error="httpx is not installed",
+            skipped=True,
+        )
     for note in _openai_notes(settings):
         if note not in notes:
             notes.append(note)
     chat = loaded.tokenizer.chat_template is not None
-    return openai_api.build_openai_strategy(spec, n=settings.max_new_tokens, sampling=sampling,
-                                            ignore_eos=settings.ignore_eos, chat=chat)  # fmt: skip
+    return openai_api.build_openai_strategy(
+        spec,
+        n=settings.max_new_tokens,
+        sampling=sampling,
+        ignore_eos=settings.ignore_eos,
+        chat=chat,
+    )
 
 
 def _openai_notes(settings: BenchSettings) -> list[str]:
@@ -685,8 +784,10 @@ def _openai_notes(settings: BenchSettings) -> list[str]:
         "match with ar compares text, information only"
     ]
     if settings.ignore_eos:
-        notes.append("openai: requests carry ignore_eos (vLLM and specfork serve honour it; a "
-                     "server that does not may stop at EOS)")  # fmt: skip
+        notes.append(
+            "openai: requests carry ignore_eos (vLLM and specfork serve honour it; a "
+            "server that does not may stop at EOS)"
+        )
     return notes
 
 

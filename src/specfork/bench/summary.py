@@ -69,11 +69,15 @@ def per_prompt_figures(
             ms = by_key.get((label, p.index, p.turn), [])
             ok = [m for m in ms if m.ok and m.output is not None]
             row: dict[str, Any] = {
-                "strategy": label, "prompt_index": p.index, "turn": p.turn,
-                "question_id": p.prompt.question_id, "category": p.category,
-                "runs": len(ok), "failed": len(ms) - len(ok),
+                "strategy": label,
+                "prompt_index": p.index,
+                "turn": p.turn,
+                "question_id": p.prompt.question_id,
+                "category": p.category,
+                "runs": len(ok),
+                "failed": len(ms) - len(ok),
                 "errors": sorted({m.error for m in ms if m.error}),
-            }  # fmt: skip
+            }
             for key in PER_RUN:
                 row[key] = _median([m.figure(key) for m in ok])
             tps = row["decode_tokens_per_second"]

@@ -86,15 +86,22 @@ STRATEGY_KINDS = (
     StrategyKind("ar", "none", "ngram", None, "plain decoding (the default)"),
     StrategyKind("speculative", "chain", "ngram", "k", "draft, then verify in one pass"),
     StrategyKind(
-        "dspark", "chain", "ngram", "max_k",
+        "dspark",
+        "chain",
+        "ngram",
+        "max_k",
         "speculative with K chosen every round from the target's confidence",
         sized_by="it chooses K itself between min_k and max_k",
     ),
     StrategyKind(
-        "spork", "tree", "recycle", "budget", "a tree of forks verified in one pass",
+        "spork",
+        "tree",
+        "recycle",
+        "budget",
+        "a tree of forks verified in one pass",
         sized_by="its trees are sized by forks, depth and budget",
     ),
-)  # fmt: skip
+)
 DRAFTER_KINDS = (
     DrafterKind("recycle", False, True, "none", "Token Recycling: the target's past top picks"),
     DrafterKind("ngram", True, True, "none", "prompt lookup"),

@@ -101,8 +101,9 @@ def _messages(messages: Any, where: str) -> list[dict[str, str]]:
     return checked
 
 
-def run_batch(args: argparse.Namespace, loaded: Any, generator: Any, config: Any, sampling: Any,
-              err: Console) -> int:  # fmt: skip
+def run_batch(
+    args: argparse.Namespace, loaded: Any, generator: Any, config: Any, sampling: Any, err: Console
+) -> int:
     """Generate for every prompt of `args.batch` together; JSON lines to stdout or --output."""
     from specfork.engine.batch import BatchConfig, generate_batch
 
@@ -116,8 +117,9 @@ def run_batch(args: argparse.Namespace, loaded: Any, generator: Any, config: Any
             raise SpecforkError(f"prompt {number} of {args.batch}: {exc}") from None
     batch = BatchConfig.rows_for(args.max_running, args.step_rows)
     t0, use = time.perf_counter(), loaded.model.thread_use()
-    results = generate_batch(generator, items, chat=chat, config=config, sampling=sampling,
-                             batch=batch)  # fmt: skip
+    results = generate_batch(
+        generator, items, chat=chat, config=config, sampling=sampling, batch=batch
+    )
     wall, threads = time.perf_counter() - t0, loaded.model.thread_use().since(use)
     out = _open_output(args.output)
     try:
@@ -144,8 +146,9 @@ def run_batch(args: argparse.Namespace, loaded: Any, generator: Any, config: Any
         )
         err.print(line, style="dim", markup=False, highlight=False)
         if threads.warning() is not None:
-            err.print(f"warning: {threads.warning()}", style="yellow", markup=False,
-                      highlight=False)  # fmt: skip
+            err.print(
+                f"warning: {threads.warning()}", style="yellow", markup=False, highlight=False
+            )
     return 0
 
 

@@ -90,9 +90,12 @@ def add_parser(sub: Any) -> None:
         help=f"prompts decoded together ({MAX_RUNNING})",
     )
     b.add_argument(
-        "--step-rows", type=int, default=None, metavar="N",
+        "--step-rows",
+        type=int,
+        default=None,
+        metavar="N",
         help="rows one forward may hold (default max(128, --max-running))",
-    )  # fmt: skip
+    )
     b.add_argument("--output", "-o", type=Path, default=None, help="--batch results file")
     add_sampling_flags(gen)
     add_constraint_flags(gen)
@@ -181,8 +184,11 @@ def _warn_shared_cores(stats: GenerationStats, err: Console) -> None:
 
 def _check_single_flags(args: argparse.Namespace) -> None:
     """A flag of --batch is refused without it rather than ignored."""
-    for flag, value in (("--output/-o", args.output), ("--max-running", args.max_running),
-                        ("--step-rows", args.step_rows)):  # fmt: skip
+    for flag, value in (
+        ("--output/-o", args.output),
+        ("--max-running", args.max_running),
+        ("--step-rows", args.step_rows),
+    ):
         if value is not None:
             raise SpecforkError(f"{flag} is a flag of --batch; give --batch FILE")
 

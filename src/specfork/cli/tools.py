@@ -283,10 +283,13 @@ def run_models(args: argparse.Namespace, err: Console) -> int:
     heads = set(shipped())
     if args.json:
         packaged = [
-            {**s.__dict__, "path": str(s.path),
-             "draft_head": str(PACKAGED / s.name) if s.name in heads else None}
+            {
+                **s.__dict__,
+                "path": str(s.path),
+                "draft_head": str(PACKAGED / s.name) if s.name in heads else None,
+            }
             for s in statuses
-        ]  # fmt: skip
+        ]
         cached = [{**h.__dict__, "path": str(h.path), "models": _hub_model_args(h)} for h in hub]
         print(json.dumps({"packaged": packaged, "hub": cached}, indent=2))
         return 0

@@ -199,11 +199,15 @@ def run(args: argparse.Namespace, err: Console) -> int:
     history = json.loads((args.out / "training.json").read_text())
     chains = [h for h in history if h.get("held_out_chain") is not None]
     best = max(chains, key=lambda h: h["held_out_chain"]) if chains else None
-    shown_held = "" if best is None else (
-        f", held-out answers: top-1 agreement {best['held_out']:.2f}, "
-        f"{best['held_out_chain']:.2f} tokens per forward in a chain of {train_cfg.unroll} "
-        f"(saved: step {best['step']})"
-    )  # fmt: skip
+    shown_held = (
+        ""
+        if best is None
+        else (
+            f", held-out answers: top-1 agreement {best['held_out']:.2f}, "
+            f"{best['held_out_chain']:.2f} tokens per forward in a chain of {train_cfg.unroll} "
+            f"(saved: step {best['step']})"
+        )
+    )
     err.print(
         f"head in {args.out} ({(args.out / 'head.safetensors').stat().st_size / 1e6:.1f} MB "
         f"in {args.save_dtype}, draft vocabulary "

@@ -66,9 +66,12 @@ def check_text(text: str) -> None:
 
 
 def check_arguments(
-    loaded: object, spec: object, max_context: object, prefill_chunk: object,
+    loaded: object,
+    spec: object,
+    max_context: object,
+    prefill_chunk: object,
     max_strategies: object,
-) -> None:  # fmt: skip
+) -> None:
     """ConfigError naming a Generator argument of the wrong kind (not a TypeError later)."""
     if not isinstance(loaded, LoadedModel):
         raise ConfigError(

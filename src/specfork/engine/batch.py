@@ -107,9 +107,14 @@ class Engine(Protocol):
     context: int  # tokens a request's cache may hold
 
     def open_request(
-        self, prompt: object, *, chat: bool | None = None, config: GenerationConfig | None = None,
-        sampling: SamplingParams | None = None, spec: SpecConfig | None = None,
-    ) -> Request: ...  # fmt: skip
+        self,
+        prompt: object,
+        *,
+        chat: bool | None = None,
+        config: GenerationConfig | None = None,
+        sampling: SamplingParams | None = None,
+        spec: SpecConfig | None = None,
+    ) -> Request: ...
 
     def release(self, req: Request, keep: int | None = None) -> None: ...
 
@@ -548,8 +553,9 @@ class Scheduler:
             tokens = torch.tensor(part, device=logits.device)  # [T]
             rows = newest_rows(tokens) if drafter.wants_logits else None  # [U], as in _logits
             wanted = logits if drafter.wants_logits else None  # [U, V]
-            feedback = Feedback(running.prefilled, tokens, [], wanted, hidden, prompt=True,
-                                logit_rows=rows)  # fmt: skip
+            feedback = Feedback(
+                running.prefilled, tokens, [], wanted, hidden, prompt=True, logit_rows=rows
+            )
             drafter.observe(feedback)
         if running.prefilling:
             return []
@@ -586,8 +592,11 @@ class Scheduler:
         prefill = sum(rows for _, rows in work.chunks)
         rows = len(work.rounds) + draft_rows + prefill
         seconds = time.perf_counter() - t0
-        self.steps.append(StepRecord(len(work.segments), rows, prefill, draft_rows,
-                                     work.predicted, accepted, seconds))  # fmt: skip
+        self.steps.append(
+            StepRecord(
+                len(work.segments), rows, prefill, draft_rows, work.predicted, accepted, seconds
+            )
+        )
 
 
 def _trace_phases(req: Request, before: dict[str, float]) -> None:

@@ -103,8 +103,10 @@ class Generator:
         if max_context is not None and max_context > limit:
             log.warning(
                 "max_context %d is beyond what %s was trained for; using its %d positions",
-                max_context, loaded.label, limit,
-            )  # fmt: skip
+                max_context,
+                loaded.label,
+                limit,
+            )
         self.prefill_chunk = prefill_chunk
         self.max_strategies = max_strategies
         self.spec = spec or SpecConfig()
@@ -218,9 +220,12 @@ class Generator:
         return self._new_request(ids, config, sampling or SamplingParams())
 
     def prompt_ids(
-        self, prompt: Prompt | list[int], *, chat: bool | None = None,
+        self,
+        prompt: Prompt | list[int],
+        *,
+        chat: bool | None = None,
         config: GenerationConfig | None = None,
-    ) -> list[int]:  # fmt: skip
+    ) -> list[int]:
         """The prompt's token ids, checked (PromptError/ConfigError name what is wrong): a
         list or tuple of integers (Python, NumPy, 0-d tensors) is taken as token ids, text and
         chat messages are encoded."""

@@ -60,9 +60,12 @@ class GrammarState:
     """One request's grammar matcher and the masks it gives (`vocab` = the model's logits)."""
 
     def __init__(
-        self, constraint: Constraint, tokenizer: llguidance.LLTokenizer, vocab: int,
+        self,
+        constraint: Constraint,
+        tokenizer: llguidance.LLTokenizer,
+        vocab: int,
         mask_budget: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.constraint = constraint
         self.mask_budget = mask_budget  # seconds a row's mask may take on average (None: any)
         self.vocab = vocab

@@ -141,8 +141,13 @@ class PrefixCache:
     def _split(self, node: _Node, m: int) -> _Node:
         """Cut `node`'s edge after m tokens; returns the new upper node."""
         assert node.k is not None and node.v is not None and node.parent is not None
-        upper = _Node(node.tokens[:m], node.k[:, :, :m].clone(), node.v[:, :, :m].clone(),
-                      node.parent, used=node.used)  # fmt: skip
+        upper = _Node(
+            node.tokens[:m],
+            node.k[:, :, :m].clone(),
+            node.v[:, :, :m].clone(),
+            node.parent,
+            used=node.used,
+        )
         node.parent.children[node.tokens[0]] = upper
         self.nbytes -= node.nbytes
         node.tokens = node.tokens[m:]

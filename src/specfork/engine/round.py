@@ -172,8 +172,9 @@ def accept(req: Request, draft: Draft, logits: torch.Tensor) -> Verdict:
         p = logits.softmax(-1) if sampling.greedy else probabilities(logits, sampling)
         return verify_tree_typical(draft.tree, p, spec.typical_epsilon, spec.typical_delta)
     if not sampling.greedy and sampling.seed is not None:  # the seed's own draws decide
-        return verify_keyed(draft.tree, probabilities(logits, sampling), sampling.seed,
-                            len(req.history))  # fmt: skip
+        return verify_keyed(
+            draft.tree, probabilities(logits, sampling), sampling.seed, len(req.history)
+        )
     if draft.is_chain:  # the vectorised chain check
         drafted = draft.tokens.to(logits.device)  # [K]
         if sampling.greedy:
@@ -231,9 +232,17 @@ def learn(
             extra["lossy"] = True
     first_rejected = len(draft) > 0 and verdict.accepted == 0
     req.stats.rounds.append(
-        RoundRecord(len(req.stats.rounds), req.generated, shape.depth, len(draft),
-                    verdict.accepted, len(verdict.tokens), first_rejected, extra)
-    )  # fmt: skip
+        RoundRecord(
+            len(req.stats.rounds),
+            req.generated,
+            shape.depth,
+            len(draft),
+            verdict.accepted,
+            len(verdict.tokens),
+            first_rejected,
+            extra,
+        )
+    )
 
 
 def _fork(draft: Draft, verdict: Verdict) -> int | None:

@@ -40,9 +40,14 @@ class KernelHead:
         }
         self.nbytes = sum(p.nbytes for p in packed.values())
         core = kernels.FastHead(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-            c.rms_eps, c.head_dim**-0.5,
-        )  # fmt: skip
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            c.rms_eps,
+            c.head_dim**-0.5,
+        )
         inv_freq, scaling = rope_inv_freq(c.rope, c.head_dim)
         core.set_rope(inv_freq, scaling)
         norms = [getattr(head, name).weight.detach().float() for name in NORMS]

@@ -256,8 +256,10 @@ def _check_tensors(head: DraftHead, tensors: dict[str, torch.Tensor], folder: Pa
         return
     if wrong:
         name = wrong[0]
-        what = (f"tensor {name} is {tuple(tensors[name].shape)} in head.safetensors but "
-                f"{tuple(expected[name].shape)} by head.json")  # fmt: skip
+        what = (
+            f"tensor {name} is {tuple(tensors[name].shape)} in head.safetensors but "
+            f"{tuple(expected[name].shape)} by head.json"
+        )
     else:
         absent, unknown = ", ".join(missing[:3]) or "none", ", ".join(extra[:3]) or "none"
         what = f"missing tensors: {absent}; unknown tensors: {unknown}"

@@ -38,13 +38,32 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
-    "common.cpp", "pool.cpp", "gemm.cpp", "gemm_avx2.cpp", "attention.cpp", "rowops.cpp",
-    "logit_rows.cpp", "head.cpp", "model.cpp",
-)  # fmt: skip
+    "common.cpp",
+    "pool.cpp",
+    "gemm.cpp",
+    "gemm_avx2.cpp",
+    "attention.cpp",
+    "rowops.cpp",
+    "logit_rows.cpp",
+    "head.cpp",
+    "model.cpp",
+)
 CFLAGS = ("-O3", "-fno-math-errno")
 LDFLAGS: tuple[str, ...] = ()  # the kernels run on their own threads (csrc/pool.h), not OpenMP
-CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-             "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")  # fmt: skip
+CPU_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "asimd",
+    "sve",
+)
 READY = "READY"  # a built folder's marker: the sha256 of its library
 
 
@@ -72,8 +91,15 @@ def artifact_key(cxx: str) -> str:
         if path.suffix in (".cpp", ".h"):
             h.update(path.name.encode() + b"\0" + path.read_bytes())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False)
-    for part in (torch.__version__, version.stdout.splitlines()[:1], sys.version, CFLAGS, LDFLAGS,
-                 cpu_flags(), __version__):  # fmt: skip
+    for part in (
+        torch.__version__,
+        version.stdout.splitlines()[:1],
+        sys.version,
+        CFLAGS,
+        LDFLAGS,
+        cpu_flags(),
+        __version__,
+    ):
         h.update(repr(part).encode())
     return h.hexdigest()[:16]
 

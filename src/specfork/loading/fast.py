@@ -23,8 +23,11 @@ from specfork.loading.gguf import config_from_gguf, field_value, open_gguf
 from specfork.loading.packed_cache import PackedWeights, packed_file
 from specfork.models.fast import FastLM, LayerWeights
 
-FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
-               gguf.GGMLQuantizationType.BF16)  # fmt: skip
+FLOAT_TYPES = (
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+)
 _LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -136,8 +139,16 @@ def _assemble(r: _Reader | _Stored) -> FastLM:
     layers = [_layer(r, i) for i in range(cfg.num_layers)]
     embedding = r.linear("token_embd.weight")
     head = embedding if cfg.tie_embeddings else r.linear("output.weight")
-    return FastLM.from_layers(r.kernels, cfg, "gguf", embedding, [head],
-                              r.vector("output_norm.weight"), layers, r.packed.detail)  # fmt: skip
+    return FastLM.from_layers(
+        r.kernels,
+        cfg,
+        "gguf",
+        embedding,
+        [head],
+        r.vector("output_norm.weight"),
+        layers,
+        r.packed.detail,
+    )
 
 
 def _layer(r: _Reader | _Stored, i: int) -> LayerWeights:

@@ -400,8 +400,12 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     """The network exception types of the HTTP client huggingface_hub uses (its versions use
     httpx2, httpx or requests), plus the builtin ones."""
     found: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    for module, name in (("httpx2", "TransportError"), ("httpx", "TransportError"),
-                         ("requests", "ConnectionError"), ("requests", "Timeout")):  # fmt: skip
+    for module, name in (
+        ("httpx2", "TransportError"),
+        ("httpx", "TransportError"),
+        ("requests", "ConnectionError"),
+        ("requests", "Timeout"),
+    ):
         try:
             found.append(getattr(importlib.import_module(module), name))
         except (ImportError, AttributeError):

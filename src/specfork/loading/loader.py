@@ -90,9 +90,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
-def resolve_precision(dtype: str | torch.dtype, device: torch.device, path: Path,
-                      kernels: ModuleType | None,
-                      reader: gguf.GGUFReader | None = None) -> str:  # fmt: skip
+def resolve_precision(
+    dtype: str | torch.dtype,
+    device: torch.device,
+    path: Path,
+    kernels: ModuleType | None,
+    reader: gguf.GGUFReader | None = None,
+) -> str:
     """The precision a model runs in: a `--dtype` value, or for 'auto' the fastest here.
 
     On the CPU with the kernels, a GGUF whose weights the kernels run as stored runs at its own
@@ -105,8 +109,10 @@ def resolve_precision(dtype: str | torch.dtype, device: torch.device, path: Path
     if dtype not in ("auto", *PRECISIONS):
         raise ConfigError(f"unknown dtype {dtype!r}; use auto, {', '.join(PRECISIONS)}")
     if dtype == "gguf" and (path.is_dir() or device.type != "cpu"):
-        raise ConfigError("--dtype gguf runs a .gguf file's own weights on the CPU; "
-                          "use bfloat16 or float32 for this model")  # fmt: skip
+        raise ConfigError(
+            "--dtype gguf runs a .gguf file's own weights on the CPU; "
+            "use bfloat16 or float32 for this model"
+        )
     if dtype != "auto":
         return dtype
     if kernels is not None and device.type == "cpu" and path.is_file():
@@ -175,8 +181,9 @@ def load_model(
         tokenizer = Tokenizer.from_gguf(path, cache_dir() / "tokenizers")
     seconds = time.perf_counter() - t0
     loaded = LoadedModel(model=model, tokenizer=tokenizer, path=path, load_seconds=seconds)
-    log.info("loaded %s (%s, %s) in %.2f s", loaded.label, model.describe(), setting.describe(),
-             seconds)  # fmt: skip
+    log.info(
+        "loaded %s (%s, %s) in %.2f s", loaded.label, model.describe(), setting.describe(), seconds
+    )
     return loaded
 
 
@@ -204,8 +211,10 @@ def load_decoder(
     precision = resolve_precision(dtype, dev, path, module, reader)
     if precision == "gguf":
         if module is None:
-            raise ConfigError("--dtype gguf runs on specfork's compiled kernels, which are off "
-                              "or not available here; use --dtype bfloat16 or float32")  # fmt: skip
+            raise ConfigError(
+                "--dtype gguf runs on specfork's compiled kernels, which are off "
+                "or not available here; use --dtype bfloat16 or float32"
+            )
         return fast_loader.load_gguf_fast(path, module, reader, folder=packed_in)
     on_kernels = module is not None and precision in ("bfloat16", "float32")
     model = load_eager(path, DTYPES[precision], dev, relayout=not on_kernels)

@@ -403,9 +403,14 @@ class DecoderLM(Steps, nn.Module):
         """A KV cache sized for this model."""
         c = self.config
         return KVCache(
-            c.num_layers, c.num_kv_heads, c.head_dim, max_len,
-            batch=batch, dtype=self.dtype, device=self.device,
-        )  # fmt: skip
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            max_len,
+            batch=batch,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
 
 def _onednn_bf16_supported() -> bool:

@@ -66,8 +66,10 @@ def load_or_measure(model: TargetModel, source: Path | None, folder: Path) -> Co
     threads = model.thread_use().since(threads_before)
     fewer = threads.reduced >= threads.NOTABLE  # the pool backed off: not the key's count
     if fewer:
-        log.warning("the cost curve was measured on fewer threads while other jobs kept the "
-                    "cores busy: this process uses it, later ones measure again")  # fmt: skip
+        log.warning(
+            "the cost curve was measured on fewer threads while other jobs kept the "
+            "cores busy: this process uses it, later ones measure again"
+        )
     if path is not None and not fewer:
         _write(curve, path)
     return curve
@@ -106,8 +108,11 @@ def _write(curve: CostCurve, path: Path) -> None:
     """Write atomically; a failure only logs a warning (the curve is measured next time)."""
     data = {"rows": curve.rows, "cost": curve.cost, "context": curve.context}
     if curve.far is not None:
-        data |= {"far": curve.far.cost, "far_context": curve.far.context,
-                 "far_step": curve.far_step}  # fmt: skip
+        data |= {
+            "far": curve.far.cost,
+            "far_context": curve.far.context,
+            "far_step": curve.far_step,
+        }
     try:
         with atomic_file(path) as tmp:
             tmp.write_text(json.dumps(data))

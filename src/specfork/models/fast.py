@@ -43,8 +43,15 @@ class LayerWeights:
 class FastLM(Steps):
     """A decoder run by the compiled kernels; build it with `from_decoder` or `from_layers`."""
 
-    def __init__(self, kernels: ModuleType, core: object, cfg: ModelConfig, precision: str,
-                 weights: dict[str, int], detail: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        kernels: ModuleType,
+        core: object,
+        cfg: ModelConfig,
+        precision: str,
+        weights: dict[str, int],
+        detail: str = "",
+    ) -> None:
         self.kernels = kernels
         self.core = core  # csrc/model.cpp FastModel
         self.config = cfg
@@ -125,9 +132,17 @@ class FastLM(Steps):
             captured = torch.empty(len(capture), t, d, dtype=torch.float32)  # [C, T, D]
         start = cache.reserve(positions)
         hidden = self.core.forward(
-            tokens[0], positions, mask, cache.k, cache.v, cache.positions, start,
-            None if layers is None else list(layers), list(capture), captured,
-        )  # fmt: skip
+            tokens[0],
+            positions,
+            mask,
+            cache.k,
+            cache.v,
+            cache.positions,
+            start,
+            None if layers is None else list(layers),
+            list(capture),
+            captured,
+        )
         cache.commit_pending()
         return hidden[None], captured  # [1, T, D], [C, T, D]
 
@@ -151,11 +166,18 @@ class FastLM(Steps):
         no_mask = torch.empty(0, dtype=torch.bool)
         try:
             hidden = self.core.forward_batch(
-                tokens, positions, [len(s.tokens) for s in segments],
+                tokens,
+                positions,
+                [len(s.tokens) for s in segments],
                 [no_mask if s.mask is None else s.mask for s in segments],
-                [s.cache.k for s in segments], [s.cache.v for s in segments],
-                [s.cache.positions for s in segments], starts, None, list(capture), captured,
-            )  # fmt: skip
+                [s.cache.k for s in segments],
+                [s.cache.v for s in segments],
+                [s.cache.positions for s in segments],
+                starts,
+                None,
+                list(capture),
+                captured,
+            )
         except BaseException:
             for s in segments:
                 s.cache.drop_pending()
@@ -199,10 +221,18 @@ class FastLM(Steps):
         """Assemble packed weights (kernels.Packed objects) into a model."""
         scalar = cfg.query_pre_attn_scalar or cfg.head_dim
         core = kernels.FastModel(
-            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, cfg.rms_eps, cfg.hidden_act == "gelu_tanh", cfg.embedding_scale,
-            cfg.sliding_window or -1, scalar**-0.5, cfg.final_logit_softcapping or 0.0,
-        )  # fmt: skip
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.rms_eps,
+            cfg.hidden_act == "gelu_tanh",
+            cfg.embedding_scale,
+            cfg.sliding_window or -1,
+            scalar**-0.5,
+            cfg.final_logit_softcapping or 0.0,
+        )
         inv_freq, scaling = rope_inv_freq(cfg.rope, cfg.head_dim)
         core.set_rope("full", inv_freq, scaling)
         if cfg.rope_local is not None:
@@ -213,8 +243,9 @@ class FastLM(Steps):
         for i, lw in enumerate(layers):
             sliding = cfg.layer_type(i) == "sliding"
             core.add_layer(lw.qkv, lw.o, lw.gate_up, lw.down, lw.norms, sliding)
-        per_layer = sum(p.n * p.k for p in (*layers[0].qkv, *layers[0].o, *layers[0].gate_up,
-                                            *layers[0].down))  # fmt: skip
+        per_layer = sum(
+            p.n * p.k for p in (*layers[0].qkv, *layers[0].o, *layers[0].gate_up, *layers[0].down)
+        )
         weights = {"layer": per_layer, "head": sum(p.n * p.k for p in head)}
         return cls(kernels, core, cfg, precision, weights, detail)
 
@@ -242,17 +273,23 @@ class FastLM(Steps):
             names = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
             norms = {n: norm(getattr(block, n, None)) for n in names}
             norms.update(q_norm=norm(block.attn.q_norm), k_norm=norm(block.attn.k_norm))
-            layers.append(LayerWeights(
-                [packed(block.attn.qkv)], [packed(block.attn.o)], [packed(block.mlp.gate_up)],
-                [packed(block.mlp.down)], {k: v for k, v in norms.items() if v is not None},
-            ))  # fmt: skip
+            layers.append(
+                LayerWeights(
+                    [packed(block.attn.qkv)],
+                    [packed(block.attn.o)],
+                    [packed(block.mlp.gate_up)],
+                    [packed(block.mlp.down)],
+                    {k: v for k, v in norms.items() if v is not None},
+                )
+            )
         head = packed(model.lm_head)
         if cfg.tie_embeddings:
             embedding = head
         else:
             table = model.embed_tokens.weight.detach()
-            embedding = kernels.Packed(int(kind), table.shape[0], table.shape[1],
-                                       pack_float(table, kind), None)  # fmt: skip
+            embedding = kernels.Packed(
+                int(kind), table.shape[0], table.shape[1], pack_float(table, kind), None
+            )
         return cls.from_layers(kernels, cfg, precision, embedding, [head], norm(model.norm), layers)
 
 

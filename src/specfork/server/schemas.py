@@ -38,13 +38,27 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # characters per stop string
 MAX_SPEC_INT = 64  # largest k / n-gram size a request may ask for
 LAYERS = re.compile(r"\s*\d{1,4}(\s*-\s*\d{1,4})?(\s*,\s*\d{1,4}(\s*-\s*\d{1,4})?)*\s*")
-# fmt: off
-COMMON_FIELDS = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-    "stream_options", "n", "user", "speculative", "ignore_eos", "exact", "logprobs",
-    "response_format",
-})
-# fmt: on
+COMMON_FIELDS = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "n",
+        "user",
+        "speculative",
+        "ignore_eos",
+        "exact",
+        "logprobs",
+        "response_format",
+    }
+)
 KIND_FIELDS = {
     "completion": {"prompt"},
     "chat": {"messages", "max_completion_tokens", "top_logprobs"},

@@ -160,9 +160,12 @@ class ServerSettings:
     def limits(self) -> RequestLimits:
         """What one request may ask for."""
         return RequestLimits(
-            self.max_draft_nodes, self.fixed_strategy, self.allow_lossy, self.request_timeout,
+            self.max_draft_nodes,
+            self.fixed_strategy,
+            self.allow_lossy,
+            self.request_timeout,
             self.max_mask_ms,
-        )  # fmt: skip
+        )
 
 
 def request_failure(exc: Exception) -> APIError:
@@ -564,9 +567,13 @@ class Batch(Protocol):
     def has_room(self, prompt_tokens: int = 0, max_new_tokens: int = 0) -> bool: ...
 
     def add(
-        self, prompt: list[int], *, config: GenerationConfig, sampling: SamplingParams,
+        self,
+        prompt: list[int],
+        *,
+        config: GenerationConfig,
+        sampling: SamplingParams,
         spec: SpecConfig | None,
-    ) -> Any: ...  # fmt: skip
+    ) -> Any: ...
 
     def step(self) -> list[Update]: ...
 
@@ -614,9 +621,13 @@ class SerialBatch:
         return not self.running
 
     def add(
-        self, prompt: list[int], *, config: GenerationConfig, sampling: SamplingParams,
+        self,
+        prompt: list[int],
+        *,
+        config: GenerationConfig,
+        sampling: SamplingParams,
         spec: SpecConfig | None,
-    ) -> _Serial:  # fmt: skip
+    ) -> _Serial:
         handle = _Serial(self.engine.stream(prompt, config=config, sampling=sampling, spec=spec))
         self.running.append(handle)
         return handle

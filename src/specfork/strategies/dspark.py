@@ -118,9 +118,16 @@ class DSparkPolicy:
         note = " (first token rejected)" if first_rejected else ""
         log.info(
             "dspark: K=%d drafted %d accepted %d%s | top1 %.2f margin %.2f EMA %.2f C %.2f -> K %d",
-            self.k, info.drafted, info.accepted, note, conf.top1, conf.margin, conf.ema,
-            conf.value, k,
-        )  # fmt: skip
+            self.k,
+            info.drafted,
+            info.accepted,
+            note,
+            conf.top1,
+            conf.margin,
+            conf.ema,
+            conf.value,
+            k,
+        )
         self.k = k
 
     def confidence(self, info: RoundInfo) -> Confidence:

@@ -101,8 +101,13 @@ class SporkPolicy:
             self.last["next_model_depth"] = min(self.depth, self.model_depth)
         log.info(
             "spork: %d nodes (forks %d, depth %d, tau %.2f), accepted %d, fork %s",
-            info.drafted, shape[0], shape[1], shape[2], info.accepted, info.fork,
-        )  # fmt: skip
+            info.drafted,
+            shape[0],
+            shape[1],
+            shape[2],
+            info.accepted,
+            info.fork,
+        )
 
     def _adapt(self, info: RoundInfo) -> None:
         if info.accepted == 0:

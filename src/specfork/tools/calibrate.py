@@ -100,10 +100,16 @@ def _suggest(
     low = round(low, 2)
     high = max(round(high, 2), low + 0.01)  # SpecConfig needs low < high
     return Calibration(
-        k=k, prompts=n_prompts, rounds=len(ratios), accepted_counts=counts,
-        acceptance_percentiles=_percentiles(ratios), confidence_percentiles=_percentiles(conf),
-        low=low, high=high, method=method,
-    )  # fmt: skip
+        k=k,
+        prompts=n_prompts,
+        rounds=len(ratios),
+        accepted_counts=counts,
+        acceptance_percentiles=_percentiles(ratios),
+        confidence_percentiles=_percentiles(conf),
+        low=low,
+        high=high,
+        method=method,
+    )
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:

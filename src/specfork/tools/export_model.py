@@ -95,8 +95,11 @@ def hf_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
         out["lm_head.weight"] = own["lm_head.weight"]
     norms = {ours: theirs for theirs, ours in type(model).block_norms.items()}
     for i in range(cfg.num_layers):
-        block = {k.removeprefix(f"blocks.{i}."): v for k, v in own.items()
-                 if k.startswith(f"blocks.{i}.")}  # fmt: skip
+        block = {
+            k.removeprefix(f"blocks.{i}."): v
+            for k, v in own.items()
+            if k.startswith(f"blocks.{i}.")
+        }
         out.update(_block_to_hf(block, cfg, norms, f"model.layers.{i}."))
     return out
 
@@ -174,11 +177,20 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None, dtype: str) -> dict
 
 
 #: PretrainedConfig's task and output switches: not the model's, left to the loader's defaults.
-_GENERIC_KEYS = frozenset({
-    "transformers_version", "_name_or_path", "id2label", "label2id", "problem_type",
-    "output_hidden_states", "output_attentions", "return_dict", "chunk_size_feed_forward",
-    "is_encoder_decoder",
-})  # fmt: skip
+_GENERIC_KEYS = frozenset(
+    {
+        "transformers_version",
+        "_name_or_path",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+    }
+)
 
 
 def _llama_fields(cfg: ModelConfig) -> dict:

@@ -187,10 +187,15 @@ def _samples(
     results = generate_batch(gen, chats, config=config, sampling=sampling, batch=batch)
     keep = cfg.context_tokens
     return [
-        record(loaded, r.prompt_ids + r.token_ids, layers, cfg.top_k,
-               0 if keep is None else max(0, len(r.prompt_ids) - keep))
+        record(
+            loaded,
+            r.prompt_ids + r.token_ids,
+            layers,
+            cfg.top_k,
+            0 if keep is None else max(0, len(r.prompt_ids) - keep),
+        )
         for r in results
-    ]  # fmt: skip
+    ]
 
 
 def _user_turns(gen: Generator, loaded: LoadedModel, cfg: DataConfig, index: range) -> list[str]:
@@ -203,8 +208,9 @@ def _user_turns(gen: Generator, loaded: LoadedModel, cfg: DataConfig, index: ran
     text = tok.apply_chat_template([{"role": "user", "content": USER_MARK}])
     prefix = text[: text.index(USER_MARK)] if USER_MARK in text else text
     ids = tok.encode(prefix)
-    sampling = [SamplingParams(temperature=1.0, top_p=0.95, seed=cfg.seed * 1_000_003 + i)
-                for i in index]  # fmt: skip
+    sampling = [
+        SamplingParams(temperature=1.0, top_p=0.95, seed=cfg.seed * 1_000_003 + i) for i in index
+    ]
     config = GenerationConfig(max_new_tokens=cfg.user_tokens)
     batch = BatchConfig(max_running=len(index))
     results = generate_batch(gen, [ids] * len(index), config=config, sampling=sampling, batch=batch)

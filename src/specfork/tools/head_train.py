@@ -170,8 +170,11 @@ def train_head(
     head.eval()
     if trainer.best is not None:  # the checkpoint that drafts best on held-out answers
         head.load_state_dict(trainer.best["head"])
-        log.info("saving the head of step %d (held-out %.3f tokens per forward)",
-                 trainer.best["step"], trainer.best["chain"])  # fmt: skip
+        log.info(
+            "saving the head of step %d (held-out %.3f tokens per forward)",
+            trainer.best["step"],
+            trainer.best["chain"],
+        )
     save_head(head, folder, save_dtype)
     return head
 

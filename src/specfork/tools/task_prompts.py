@@ -155,28 +155,33 @@ def _pasted(rng: random.Random, corpus: Corpus) -> tuple[str, str]:
 
 def summarize(rng: random.Random, corpus: Corpus) -> str:
     name, text = _pasted(rng, corpus)
-    ask = rng.choice([
-        f"Summarize the following documentation in {rng.randint(2, 5)} sentences.",
-        f"Write a summary of this text in at most {rng.randint(3, 6)} bullet points.",
-        "Give a one-paragraph overview of what the following describes.",
-        "TL;DR the text below for a busy developer.",
-        f"Summarize the documentation of `{name}` below for a beginner.",
-    ])  # fmt: skip
+    ask = rng.choice(
+        [
+            f"Summarize the following documentation in {rng.randint(2, 5)} sentences.",
+            f"Write a summary of this text in at most {rng.randint(3, 6)} bullet points.",
+            "Give a one-paragraph overview of what the following describes.",
+            "TL;DR the text below for a busy developer.",
+            f"Summarize the documentation of `{name}` below for a beginner.",
+        ]
+    )
     return f"{ask}\n\n{text}" if rng.random() < 0.7 else f"{text}\n\n{ask}"
 
 
 def extract(rng: random.Random, corpus: Corpus) -> str:
     name, text = _pasted(rng, corpus)
-    ask = rng.choice([
-        "List every function or parameter name that appears in the text below, one per line.",
-        f"Extract the key facts about `{name}` from the text below as a bulleted list.",
-        "Extract all the names written in the text below (functions, classes, arguments) and "
-        "return them as a JSON list.",
-        'Read the documentation below and fill in this JSON object: {"name": ..., "purpose": '
-        '..., "arguments": [...], "returns": ...}',
-        "Make a Markdown table of the functions described below with columns Name and Purpose.",
-        "Which exceptions, warnings or error conditions does the text below mention? List them.",
-    ])  # fmt: skip
+    ask = rng.choice(
+        [
+            "List every function or parameter name that appears in the text below, one per line.",
+            f"Extract the key facts about `{name}` from the text below as a bulleted list.",
+            "Extract all the names written in the text below (functions, classes, arguments) and "
+            "return them as a JSON list.",
+            'Read the documentation below and fill in this JSON object: {"name": ..., "purpose": '
+            '..., "arguments": [...], "returns": ...}',
+            "Make a Markdown table of the functions described below with columns Name and Purpose.",
+            "Which exceptions, warnings or error conditions does the text below mention? "
+            "List them.",
+        ]
+    )
     return f"{ask}\n\n{text}"
 
 
@@ -185,13 +190,15 @@ def passages(rng: random.Random, corpus: Corpus) -> str:
     docs = rng.sample(corpus.functions, rng.randint(2, 4))
     answer = rng.choice(docs)
     name = answer.name.rsplit(".", 1)[-1]
-    question = rng.choice([
-        f"What does `{name}` do?",
-        f"What does `{name}` return?",
-        f"Which arguments does `{name}` take, and what are they for?",
-        f"When would I use `{name}`?",
-        f"Explain `{name}` with a short example.",
-    ])  # fmt: skip
+    question = rng.choice(
+        [
+            f"What does `{name}` do?",
+            f"What does `{name}` return?",
+            f"Which arguments does `{name}` take, and what are they for?",
+            f"When would I use `{name}`?",
+            f"Explain `{name}` with a short example.",
+        ]
+    )
     width = CONTEXT_CHARS // len(docs)
     shown = "\n\n".join(
         f"[{i}] {d.signature}\n{_clip(d.text, width)}" for i, d in enumerate(docs, 1)
@@ -206,41 +213,49 @@ def closed_book(rng: random.Random, corpus: Corpus) -> str:
     """A question about the library without the documentation."""
     if rng.random() < 0.4:
         module = rng.choice(corpus.modules).name
-        return rng.choice([
-            f"What is the Python `{module}` module used for?",
-            f"Give me three practical examples of using Python's `{module}` module.",
-            f"What are common mistakes when using the `{module}` module in Python?",
-        ])  # fmt: skip
+        return rng.choice(
+            [
+                f"What is the Python `{module}` module used for?",
+                f"Give me three practical examples of using Python's `{module}` module.",
+                f"What are common mistakes when using the `{module}` module in Python?",
+            ]
+        )
     a, b = rng.sample(corpus.functions, 2)
-    return rng.choice([
-        f"How do I use `{a.name}` in Python? Show an example.",
-        f"What is the difference between `{a.name}` and `{b.name}`?",
-        f"Explain what `{a.signature}` does and what each argument means.",
-    ])  # fmt: skip
+    return rng.choice(
+        [
+            f"How do I use `{a.name}` in Python? Show an example.",
+            f"What is the difference between `{a.name}` and `{b.name}`?",
+            f"Explain what `{a.signature}` does and what each argument means.",
+        ]
+    )
 
 
 def write_code(rng: random.Random, corpus: Corpus) -> str:
     doc = rng.choice(corpus.functions)
     what = _sentence(doc.text)
     language = rng.choice(["Python"] * 4 + ["JavaScript", "C++", "Rust", "Go", "Java"])
-    return rng.choice([
-        f"Write a {language} function `{doc.signature}` that does this: {what}.",
-        f"Implement `{doc.signature}` in {language}. It should {what}. Include comments.",
-        f"Write pytest unit tests for a function `{doc.signature}` that does this: {what}.",
-        f"Write a small {language} program that uses a function to {what}.",
-    ])  # fmt: skip
+    return rng.choice(
+        [
+            f"Write a {language} function `{doc.signature}` that does this: {what}.",
+            f"Implement `{doc.signature}` in {language}. It should {what}. Include comments.",
+            f"Write pytest unit tests for a function `{doc.signature}` that does this: {what}.",
+            f"Write a small {language} program that uses a function to {what}.",
+        ]
+    )
 
 
 def read_code(rng: random.Random, corpus: Corpus) -> str:
     doc = rng.choice(corpus.coded)
     code = f"```python\n{_without_docstring(doc.source)}\n```"
-    return rng.choice([
-        f"Explain what this Python function does, step by step:\n\n{code}",
-        f"Find bugs, edge cases or possible improvements in this code:\n\n{code}",
-        f"Add type hints and comments to this function:\n\n{code}",
-        f"Rewrite this function in {rng.choice(['JavaScript', 'Java', 'C#', 'Go'])}:\n\n{code}",
-        f"Write a docstring for this function:\n\n{code}",
-    ])  # fmt: skip
+    return rng.choice(
+        [
+            f"Explain what this Python function does, step by step:\n\n{code}",
+            f"Find bugs, edge cases or possible improvements in this code:\n\n{code}",
+            f"Add type hints and comments to this function:\n\n{code}",
+            f"Rewrite this function in {rng.choice(['JavaScript', 'Java', 'C#', 'Go'])}:\n\n{code}",
+            f"Write a docstring for this function:\n\n{code}",
+        ]
+    )
 
 
 def _without_docstring(source: str) -> str:
@@ -258,45 +273,86 @@ def translate(rng: random.Random, corpus: Corpus) -> str:
     sentences = re.split(r"(?<=[.!?])\s+", " ".join(doc.text.split()))
     text = " ".join(sentences[: rng.randint(1, 3)])
     language = rng.choice(
-        ["French", "German", "Spanish", "Italian", "Portuguese", "Dutch", "Chinese", "Japanese",
-         "Russian", "Korean"]
-    )  # fmt: skip
+        [
+            "French",
+            "German",
+            "Spanish",
+            "Italian",
+            "Portuguese",
+            "Dutch",
+            "Chinese",
+            "Japanese",
+            "Russian",
+            "Korean",
+        ]
+    )
     return f"Translate the following text into {language}:\n\n{text}"
 
 
-NAMES = ["Ada", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas",
-         "Kemi", "Liam", "Maya", "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sam",
-         "Tariq"]  # fmt: skip
-ITEMS = ["notebooks", "apples", "concert tickets", "bags of rice", "pencils", "coffee mugs",
-         "plants", "books", "T-shirts", "bus passes"]  # fmt: skip
+NAMES = [
+    "Ada",
+    "Ben",
+    "Chloe",
+    "Diego",
+    "Emma",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Ines",
+    "Jonas",
+    "Kemi",
+    "Liam",
+    "Maya",
+    "Noah",
+    "Olga",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sam",
+    "Tariq",
+]
+ITEMS = [
+    "notebooks",
+    "apples",
+    "concert tickets",
+    "bags of rice",
+    "pencils",
+    "coffee mugs",
+    "plants",
+    "books",
+    "T-shirts",
+    "bus passes",
+]
 
 
 def arithmetic(rng: random.Random, corpus: Corpus) -> str:
     """A word problem or calculation with fresh numbers."""
     r = rng.randint
     name, other, item = rng.choice(NAMES), rng.choice(NAMES), rng.choice(ITEMS)
-    problem = rng.choice([
-        f"What is {r(12, 999)} × {r(3, 99)} + {r(10, 9999)}?",
-        f"Solve for x: {r(2, 19)}x + {r(1, 99)} = {r(100, 999)}.",
-        f"{name} buys {r(2, 12)} {item} at ${r(2, 40)}.{r(0, 99):02d} each and pays with a "
-        f"${rng.choice([50, 100, 200])} bill. How much change does {name} get?",
-        f"{name} reads {r(8, 60)} pages a day. How many days does it take to finish a "
-        f"{r(150, 900)}-page book?",
-        f"A rectangle is {r(3, 90)} cm long and {r(2, 60)} cm wide. What are its area and "
-        "perimeter?",
-        f"What is {r(3, 95)}% of {r(40, 5000)}?",
-        f"A train travels at {r(40, 120)} km/h for {r(1, 5)} hours, then at {r(40, 120)} km/h "
-        f"for {r(1, 5)} hours. How far does it go, and what is its average speed?",
-        f"If {r(2, 9)} workers build a wall in {r(3, 20)} days, how many days would "
-        f"{r(2, 15)} workers take at the same rate?",
-        f"{name} has {r(20, 200)} {item}. {name} gives {other} a third of them, rounded down, "
-        f"then buys {r(3, 30)} more. How many does {name} have now?",
-        f"Simplify the fraction {r(2, 40) * 6}/{r(2, 40) * 6}.",
-        f"What is the sum of the integers from {r(1, 50)} to {r(60, 500)}?",
-        f"A price rises by {r(5, 40)}% and then falls by {r(5, 40)}%. What is the overall "
-        "percentage change?",
-        f"Find the next two numbers of the sequence {_sequence(rng)}.",
-    ])  # fmt: skip
+    problem = rng.choice(
+        [
+            f"What is {r(12, 999)} × {r(3, 99)} + {r(10, 9999)}?",
+            f"Solve for x: {r(2, 19)}x + {r(1, 99)} = {r(100, 999)}.",
+            f"{name} buys {r(2, 12)} {item} at ${r(2, 40)}.{r(0, 99):02d} each and pays with a "
+            f"${rng.choice([50, 100, 200])} bill. How much change does {name} get?",
+            f"{name} reads {r(8, 60)} pages a day. How many days does it take to finish a "
+            f"{r(150, 900)}-page book?",
+            f"A rectangle is {r(3, 90)} cm long and {r(2, 60)} cm wide. What are its area and "
+            "perimeter?",
+            f"What is {r(3, 95)}% of {r(40, 5000)}?",
+            f"A train travels at {r(40, 120)} km/h for {r(1, 5)} hours, then at {r(40, 120)} km/h "
+            f"for {r(1, 5)} hours. How far does it go, and what is its average speed?",
+            f"If {r(2, 9)} workers build a wall in {r(3, 20)} days, how many days would "
+            f"{r(2, 15)} workers take at the same rate?",
+            f"{name} has {r(20, 200)} {item}. {name} gives {other} a third of them, rounded down, "
+            f"then buys {r(3, 30)} more. How many does {name} have now?",
+            f"Simplify the fraction {r(2, 40) * 6}/{r(2, 40) * 6}.",
+            f"What is the sum of the integers from {r(1, 50)} to {r(60, 500)}?",
+            f"A price rises by {r(5, 40)}% and then falls by {r(5, 40)}%. What is the overall "
+            "percentage change?",
+            f"Find the next two numbers of the sequence {_sequence(rng)}.",
+        ]
+    )
     return problem + rng.choice(["", " Explain your reasoning step by step.", " Show your work."])
 
 
@@ -307,38 +363,106 @@ def _sequence(rng: random.Random) -> str:
     return ", ".join(map(str, terms))
 
 
-FORMS = ["short story", "poem", "haiku", "blog post", "persuasive essay", "product description",
-         "cover letter", "email to a colleague", "speech", "limerick", "news article",
-         "diary entry"]  # fmt: skip
-TOPICS = ["a lighthouse keeper's last night", "learning to cook", "a city without cars",
-          "the first day at a new job", "a robot that collects stamps", "winter in the mountains",
-          "a lost library book", "remote work", "the ocean at night", "an old bicycle",
-          "a village festival", "saving money", "a friendship across borders",
-          "the smell of rain", "a chess tournament", "moving to a new country",
-          "an unexpected letter", "a garden on a rooftop", "the history of tea",
-          "a marathon runner", "a power outage", "a museum after closing time"]  # fmt: skip
-ROLES = ["a pirate captain", "a detective in 1920s London", "a medieval knight",
-         "a travel agent", "a chef at a busy restaurant", "a customer-support agent",
-         "a wise old wizard", "a sports commentator", "a tour guide in Rome",
-         "an astronaut on the space station", "a grumpy librarian", "a museum curator"]  # fmt: skip
-REQUESTS = ["introduce yourself and describe your day", "give me advice about my career",
-            "tell me about the strangest thing that ever happened to you",
-            "convince me to visit your home town", "explain your job to a child",
-            "answer my complaint about a late delivery"]  # fmt: skip
-CONCEPTS = ["photosynthesis", "entropy", "supply and demand", "the French Revolution",
-            "plate tectonics", "compound interest", "natural selection", "the water cycle",
-            "black holes", "the Renaissance", "vaccines", "inflation", "the Pythagorean theorem",
-            "climate change", "the printing press", "electric circuits", "DNA replication",
-            "the Cold War", "machine learning", "the immune system", "Newton's laws of motion",
-            "democracy in ancient Athens", "the stock market", "ocean tides"]  # fmt: skip
-AUDIENCES = ["a ten-year-old", "a high-school student", "a busy manager", "an expert",
-             "someone who has never heard of it"]  # fmt: skip
+FORMS = [
+    "short story",
+    "poem",
+    "haiku",
+    "blog post",
+    "persuasive essay",
+    "product description",
+    "cover letter",
+    "email to a colleague",
+    "speech",
+    "limerick",
+    "news article",
+    "diary entry",
+]
+TOPICS = [
+    "a lighthouse keeper's last night",
+    "learning to cook",
+    "a city without cars",
+    "the first day at a new job",
+    "a robot that collects stamps",
+    "winter in the mountains",
+    "a lost library book",
+    "remote work",
+    "the ocean at night",
+    "an old bicycle",
+    "a village festival",
+    "saving money",
+    "a friendship across borders",
+    "the smell of rain",
+    "a chess tournament",
+    "moving to a new country",
+    "an unexpected letter",
+    "a garden on a rooftop",
+    "the history of tea",
+    "a marathon runner",
+    "a power outage",
+    "a museum after closing time",
+]
+ROLES = [
+    "a pirate captain",
+    "a detective in 1920s London",
+    "a medieval knight",
+    "a travel agent",
+    "a chef at a busy restaurant",
+    "a customer-support agent",
+    "a wise old wizard",
+    "a sports commentator",
+    "a tour guide in Rome",
+    "an astronaut on the space station",
+    "a grumpy librarian",
+    "a museum curator",
+]
+REQUESTS = [
+    "introduce yourself and describe your day",
+    "give me advice about my career",
+    "tell me about the strangest thing that ever happened to you",
+    "convince me to visit your home town",
+    "explain your job to a child",
+    "answer my complaint about a late delivery",
+]
+CONCEPTS = [
+    "photosynthesis",
+    "entropy",
+    "supply and demand",
+    "the French Revolution",
+    "plate tectonics",
+    "compound interest",
+    "natural selection",
+    "the water cycle",
+    "black holes",
+    "the Renaissance",
+    "vaccines",
+    "inflation",
+    "the Pythagorean theorem",
+    "climate change",
+    "the printing press",
+    "electric circuits",
+    "DNA replication",
+    "the Cold War",
+    "machine learning",
+    "the immune system",
+    "Newton's laws of motion",
+    "democracy in ancient Athens",
+    "the stock market",
+    "ocean tides",
+]
+AUDIENCES = [
+    "a ten-year-old",
+    "a high-school student",
+    "a busy manager",
+    "an expert",
+    "someone who has never heard of it",
+]
 
 
 def writing(rng: random.Random, corpus: Corpus) -> str:
     ask = f"Write a {rng.choice(FORMS)} about {rng.choice(TOPICS)}"
-    return ask + rng.choice([".", f" in under {rng.randint(8, 30) * 10} words.",
-                             f" for {rng.choice(AUDIENCES)}."])  # fmt: skip
+    return ask + rng.choice(
+        [".", f" in under {rng.randint(8, 30) * 10} words.", f" for {rng.choice(AUDIENCES)}."]
+    )
 
 
 def roleplay(rng: random.Random, corpus: Corpus) -> str:
@@ -347,28 +471,32 @@ def roleplay(rng: random.Random, corpus: Corpus) -> str:
 
 def explain(rng: random.Random, corpus: Corpus) -> str:
     a, b = rng.sample(CONCEPTS, 2)
-    return rng.choice([
-        f"Explain {a} to {rng.choice(AUDIENCES)}.",
-        f"What are the main causes and consequences of {a}?",
-        f"Compare {a} and {b}: what do they have in common?",
-        f"Write five quiz questions with answers about {a}.",
-    ])  # fmt: skip
+    return rng.choice(
+        [
+            f"Explain {a} to {rng.choice(AUDIENCES)}.",
+            f"What are the main causes and consequences of {a}?",
+            f"Compare {a} and {b}: what do they have in common?",
+            f"Write five quiz questions with answers about {a}.",
+        ]
+    )
 
 
 def reasoning(rng: random.Random, corpus: Corpus) -> str:
     a, b, c = rng.sample(NAMES, 3)
     n = rng.randint(3, 9)
-    return rng.choice([
-        f"{a} is taller than {b}, and {b} is taller than {c}. Who is the shortest? Explain.",
-        f"If it takes {n} machines {n} minutes to make {n} widgets, how long would "
-        f"{n * 20} machines take to make {n * 20} widgets?",
-        f"{a} is older than {b}. {c} is younger than {b}. Is {a} older than {c}? Why?",
-        f"A bat and a ball cost ${n}.10 in total. The bat costs ${n} more than the ball. "
-        "How much does the ball cost?",
-        f"{a} says: 'I always lie.' Can this statement be true? Reason it through.",
-        f"There are {n} people in a room and each shakes hands with every other person once. "
-        "How many handshakes are there?",
-    ])  # fmt: skip
+    return rng.choice(
+        [
+            f"{a} is taller than {b}, and {b} is taller than {c}. Who is the shortest? Explain.",
+            f"If it takes {n} machines {n} minutes to make {n} widgets, how long would "
+            f"{n * 20} machines take to make {n * 20} widgets?",
+            f"{a} is older than {b}. {c} is younger than {b}. Is {a} older than {c}? Why?",
+            f"A bat and a ball cost ${n}.10 in total. The bat costs ${n} more than the ball. "
+            "How much does the ball cost?",
+            f"{a} says: 'I always lie.' Can this statement be true? Reason it through.",
+            f"There are {n} people in a room and each shakes hands with every other person once. "
+            "How many handshakes are there?",
+        ]
+    )
 
 
 TASKS: dict[str, Task] = {

@@ -27,17 +27,37 @@ def plot_k_trace(traces: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, 
         xs = [r.get("position", i) for i, r in enumerate(rounds)]
         ks = [_number(r.get("k")) for r in rounds]
         ax_k.step(xs, ks, where="post", color=color, label=f"{name}K asked")
-        ax_k.plot(xs, [_number(r.get("drafted")) for r in rounds], "s", ms=3, color=color,
-                  alpha=0.45, label=f"{name}drafted")  # fmt: skip
-        ax_k.plot(xs, [_number(r.get("accepted")) for r in rounds], "o", ms=3, color=color,
-                  mfc="none", label=f"{name}accepted")  # fmt: skip
+        ax_k.plot(
+            xs,
+            [_number(r.get("drafted")) for r in rounds],
+            "s",
+            ms=3,
+            color=color,
+            alpha=0.45,
+            label=f"{name}drafted",
+        )
+        ax_k.plot(
+            xs,
+            [_number(r.get("accepted")) for r in rounds],
+            "o",
+            ms=3,
+            color=color,
+            mfc="none",
+            label=f"{name}accepted",
+        )
         floor = next((r["min_k"] for r in rounds if "min_k" in r), None)
         capped = [(x, k) for x, k in zip(xs, ks, strict=True) if floor is not None and k < floor]
         if capped:
-            ax_k.plot(*zip(*capped, strict=True), "v", color="black", ms=5,
-                      label="K capped by the tokens left")  # fmt: skip
-        ax_c.plot(xs, [_number(r.get("confidence")) for r in rounds], ".", color=color,
-                  label=f"{name}C")  # fmt: skip
+            ax_k.plot(
+                *zip(*capped, strict=True),
+                "v",
+                color="black",
+                ms=5,
+                label="K capped by the tokens left",
+            )
+        ax_c.plot(
+            xs, [_number(r.get("confidence")) for r in rounds], ".", color=color, label=f"{name}C"
+        )
         _thresholds(ax_c, rounds)
     ax_k.set_ylabel("tokens")
     ax_k.yaxis.set_major_locator(MaxNLocator(integer=True))
@@ -64,8 +84,13 @@ def _thresholds(ax: Any, rounds: Sequence[Mapping[str, Any]]) -> None:
     if first is None:
         return
     for key, style in (("low", ":"), ("high", "--")):
-        ax.axhline(float(first[key]), color="gray", linestyle=style, linewidth=0.9,
-                   label=f"{key} = {first[key]}")  # fmt: skip
+        ax.axhline(
+            float(first[key]),
+            color="gray",
+            linestyle=style,
+            linewidth=0.9,
+            label=f"{key} = {first[key]}",
+        )
 
 
 def _number(x: Any) -> float:
