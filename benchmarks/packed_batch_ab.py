@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from specfork.cache import KVCache
+from specfork.kv_cache import KVCache
 from specfork.loading.loader import load_model
 from specfork.models.base import DecoderLM, Segment
 

@@ -93,7 +93,7 @@ LAYERS = (
     "spec_schema",
     "tree",
     "sampling",
-    "cache",
+    "kv_cache",
     "verify",
     "kernels",
     "models",

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specfork.cache import KVCache
 from specfork.config import GenerationConfig, SpecConfig
 from specfork.engine.batch import BatchConfig, Scheduler, generate_batch
 from specfork.engine.generator import Generator
 from specfork.engine.prefix import PrefixCache
 from specfork.errors import ConfigError
 from specfork.kernels import load_kernels
+from specfork.kv_cache import KVCache
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.models.cost import CostCurve
 from tiny_models import tiny_chat_llama

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specfork.cache import KVCache
+from specfork.kv_cache import KVCache
 from specfork.tree import (
     Tree,
     TreeBuilder,

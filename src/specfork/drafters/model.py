@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 import torch
 
-from specfork.cache import KVCache
 from specfork.config import SamplingParams
 from specfork.drafters.base import (
     EMPTY_DRAFT,
@@ -22,6 +21,7 @@ from specfork.drafters.base import (
     chain_draft,
 )
 from specfork.errors import ConfigError
+from specfork.kv_cache import KVCache
 from specfork.models.target import TargetModel
 from specfork.sampling import argmax, draw, probabilities
 from specfork.tree import Tree, TreeBuilder, path_to

@@ -16,7 +16,6 @@ from collections.abc import Iterator, Sequence
 
 import llguidance
 
-from specfork.cache import KVCache
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Drafter, check_drafter, start
 from specfork.engine.arguments import as_token_ids, check_arguments, check_kind, check_text
@@ -29,6 +28,7 @@ from specfork.engine.request import Request
 from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError, PromptError
 from specfork.host import cache_dir
+from specfork.kv_cache import KVCache
 from specfork.loading.loader import LoadedModel
 from specfork.models.cost import CostCurve
 from specfork.sampling import make_generator

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specfork.cache import KVCache
 from specfork.checks import is_int
 from specfork.errors import ConfigError
+from specfork.kv_cache import KVCache
 
 
 @dataclass(eq=False)

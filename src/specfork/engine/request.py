@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specfork.cache import KVCache
 from specfork.config import SamplingParams, SpecConfig
 from specfork.drafters.base import Drafter
 from specfork.engine.grammar import GrammarState
 from specfork.engine.logprobs import TokenLogprob, token_logprobs
 from specfork.engine.output import OutputBuilder
 from specfork.engine.stats import GenerationStats
+from specfork.kv_cache import KVCache
 from specfork.strategies.goodput import Gate, NoGate
 from specfork.strategies.policies import DraftPolicy
 from specfork.threads import ThreadUse

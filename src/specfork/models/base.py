@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from specfork.cache import KVCache
 from specfork.config import ModelConfig
+from specfork.kv_cache import KVCache
 from specfork.models import cost_cache
 from specfork.models.cost import CostCurve
 from specfork.models.layers import Linear, PackedRows, RMSNorm, Rotary

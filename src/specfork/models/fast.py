@@ -17,8 +17,8 @@ from types import ModuleType
 
 import torch
 
-from specfork.cache import KVCache
 from specfork.config import ModelConfig
+from specfork.kv_cache import KVCache
 from specfork.models.base import DecoderLM, Segment, Steps
 from specfork.models.layers import rope_inv_freq
 from specfork.threads import Threads, ThreadUse

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specfork.cache import KVCache
 from specfork.config import ModelConfig, RopeConfig
+from specfork.kv_cache import KVCache
 
 
 class Linear(nn.Linear):

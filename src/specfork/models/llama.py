@@ -7,8 +7,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from specfork.cache import KVCache
 from specfork.config import ModelConfig
+from specfork.kv_cache import KVCache
 from specfork.models.base import DecoderLM
 from specfork.models.layers import Attention, GatedMLP, PackedRows, RMSNorm
 

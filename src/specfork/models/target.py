@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from specfork.cache import KVCache
     from specfork.config import ModelConfig
+    from specfork.kv_cache import KVCache
     from specfork.models.base import Segment
     from specfork.models.cost import CostCurve
     from specfork.threads import Threads, ThreadUse

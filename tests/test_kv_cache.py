@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specfork.cache import KVCache
 from specfork.errors import PromptError
+from specfork.kv_cache import KVCache
 
 
 def _fill(cache: KVCache, n: int) -> None:
