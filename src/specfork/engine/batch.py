@@ -527,9 +527,11 @@ class Scheduler:
                 wanted.append([b - 1])
         if self.model.batch_invariant:
             flat = [r for rows in wanted for r in rows]
-            logits = self.model.logits(hidden[flat])  # [R, V]
+            logits = self.model.logits(_rows(hidden, flat))  # [R, V]
+            if len(wanted) == 1:
+                return [logits]
             return list(logits.split([len(rows) for rows in wanted]))
-        return [self.model.logits(hidden[rows]) for rows in wanted]
+        return [self.model.logits(_rows(hidden, rows)) for rows in wanted]
 
     @staticmethod
     def _captured(
@@ -597,6 +599,14 @@ class Scheduler:
                 len(work.segments), rows, prefill, draft_rows, work.predicted, accepted, seconds
             )
         )
+
+
+def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows] [R, D]: a view when the rows are consecutive (a round's rows, a chunk's
+    last row), else a copy."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return hidden[rows[0] : rows[0] + len(rows)]
+    return hidden[rows]
 
 
 def _trace_phases(req: Request, before: dict[str, float]) -> None:

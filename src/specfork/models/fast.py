@@ -157,8 +157,11 @@ class FastLM(Steps):
             raise ValueError("forward_batch needs at least one segment")
         if len(segments) != len({id(s.cache) for s in segments}):
             raise ValueError("two segments of a batch share a cache")
-        tokens = torch.cat([s.tokens for s in segments])  # [T]
-        positions = torch.cat([s.positions for s in segments])  # [T]
+        if len(segments) == 1:  # (a lone request's round: nothing to pack)
+            tokens, positions = segments[0].tokens, segments[0].positions  # [T], [T]
+        else:
+            tokens = torch.cat([s.tokens for s in segments])  # [T]
+            positions = torch.cat([s.positions for s in segments])  # [T]
         captured = None
         if capture:
             captured = torch.empty(len(capture), len(tokens), self.config.hidden_size)  # [C, T, D]
