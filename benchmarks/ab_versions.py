@@ -6,7 +6,9 @@ A measured (a curve measured in each process would differ by timing noise and ma
 gates draft differently; with `--own-curves` each uses its own, for a change of the kernels,
 whose costs are what changed). Then the prompts are sent to the two workers
 alternately (the version that goes first alternates too), so both see the same machine state.
-Only one worker computes at a time. Prints, per strategy, the median decode tokens/s of each
+Only one worker computes at a time. With `--batch N` the prompts go in groups of N through
+`generate_batch` (up to N requests decoding in each forward), and a job's speed is its generated
+tokens over its wall time (prefill included). Prints, per strategy, the median tokens/s of each
 version, the median of the per-prompt ratios B / A, and whether both versions emitted the same
 tokens (EOS ignored; greedy by default, or seeded sampling with `--temperature`/`--top-p`).
 
@@ -38,11 +40,12 @@ HEADS = {  # with --heads: the packaged draft head (both versions must ship one)
 }
 
 WORKER = r"""
-import json, sys
+import json, sys, time
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork import Generator  # the lazy export: both old and new versions have it
 from specfork.loading.loader import load_model
 from specfork.loading.registry import DEFAULT_MODEL
+from specfork.engine.batch import BatchConfig, generate_batch
 
 strategies = json.loads(sys.argv[1])
 n = int(sys.argv[2])
@@ -62,8 +65,16 @@ for gen in gens.values():
 print(json.dumps({"ready": loaded.model.describe(), "curve": [curve.rows, curve.cost]}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
-    result = gens[job["strategy"]].generate(job["prompt"], config=config, sampling=sampling)
-    out = {"tok_s": result.stats.decode_tokens_per_second, "ids": result.token_ids}
+    gen, prompts = gens[job["strategy"]], job["prompts"]
+    if len(prompts) == 1:
+        result = gen.generate(prompts[0], config=config, sampling=sampling)
+        out = {"tok_s": result.stats.decode_tokens_per_second, "ids": [result.token_ids]}
+    else:
+        t0 = time.perf_counter()
+        batch = BatchConfig.rows_for(len(prompts))
+        results = generate_batch(gen, prompts, config=config, sampling=sampling, batch=batch)
+        ids = [r.token_ids for r in results]
+        out = {"tok_s": sum(map(len, ids)) / (time.perf_counter() - t0), "ids": ids}
     print(json.dumps(out), flush=True)
 """
 
@@ -91,9 +102,9 @@ class Worker:
             raise SystemExit(f"a worker stopped (exit {self.proc.wait()})")
         return json.loads(line)
 
-    def run(self, strategy: str, prompt: str) -> dict:
+    def run(self, strategy: str, prompts: list[str]) -> dict:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"strategy": strategy, "prompt": prompt}) + "\n")
+        self.proc.stdin.write(json.dumps({"strategy": strategy, "prompts": prompts}) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -113,6 +124,7 @@ def main() -> None:
     ap.add_argument("--heads", action="store_true", help="also the packaged draft head's chains")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together (1: alone)")
     ap.add_argument(
         "--own-curves", action="store_true", help="each version its own cost curve (kernels)"
     )
@@ -123,12 +135,14 @@ def main() -> None:
     from specfork.bench.prompts import load_prompts, select_prompts
 
     picked = select_prompts(load_prompts(args.prompts), per_category=args.per_category)
-    prompts = [p.text for p in picked]
+    texts = [p.text for p in picked]
+    prompts = [texts[i : i + args.batch] for i in range(0, len(texts), args.batch)]
     a = Worker(args.a, args.max_new_tokens, strategies, sampling)  # measures the cost curve...
     given = None if args.own_curves else a.curve  # ...B uses A's, or measures its own
     b = Worker(args.b, args.max_new_tokens, strategies, sampling, given)
     workers = {"A": a, "B": b}
-    print(f"A: {a.describe}; B: {b.describe}; {len(prompts)} prompts; sampling {sampling}")
+    groups = f"{len(texts)} prompts in groups of {args.batch}"
+    print(f"A: {a.describe}; B: {b.describe}; {groups}; sampling {sampling}")
     for name, worker in workers.items():
         cost = [round(c, 2) for c in worker.curve[1]]
         print(f"cost curve {name}: rows {worker.curve[0]}, cost {cost}")
