@@ -18,11 +18,11 @@ from rich.console import Console
 from rich.markup import escape
 
 from specfork import __version__
-from specfork.cli import bench, export, generate, serve, tools, train_head
+from specfork.cli import bench, chat, export, generate, serve, tools, train_head
 from specfork.cli.common import EXIT_USER_ERROR, resolve_strategy
 from specfork.errors import SpecforkError
 
-COMMANDS = (generate, tools, train_head, export, bench, serve)
+COMMANDS = (generate, chat, tools, train_head, export, bench, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -220,7 +220,10 @@ def read_prompt(arg: str | None) -> str:
     if arg is not None and arg != "-":
         return arg
     if sys.stdin is None or sys.stdin.isatty():
-        raise SpecforkError("no prompt given; pass it as an argument or pipe it on stdin")
+        raise SpecforkError(
+            "no prompt given; pass it as an argument or pipe it on stdin (for a conversation: "
+            "specfork chat)"
+        )
     text = sys.stdin.read()
     return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
 

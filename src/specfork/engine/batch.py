@@ -200,12 +200,16 @@ class Scheduler:
         self.prefix = PrefixCache(size) if size else None
 
     @classmethod
-    def alone(cls, generator: Engine) -> Scheduler:
-        """The scheduler of one lone request (`Generator.stream`): no batch allocation (the
-        request's own gate trims its drafts), rows for any draft and whole prefill chunks, and
-        a failure raised to the caller."""
+    def alone(cls, generator: Engine, prefix_cache_bytes: int = 0) -> Scheduler:
+        """The scheduler of one lone request at a time (`Generator.stream`, a chat's turns):
+        no batch allocation (the request's own gate trims its drafts), rows for any draft and
+        whole prefill chunks, and a failure raised to the caller. With `prefix_cache_bytes`,
+        a request reuses the KV of what earlier ones computed (a chat's earlier turns)."""
         rows = max(DEFAULT_STEP_ROWS, generator.prefill_chunk, generator.context)
-        scheduler = cls(generator, BatchConfig(max_running=1, step_rows=rows, goodput=False))
+        config = BatchConfig(
+            max_running=1, step_rows=rows, goodput=False, prefix_cache_bytes=prefix_cache_bytes
+        )
+        scheduler = cls(generator, config)
         scheduler._isolate, scheduler._keep = False, None
         return scheduler
 
