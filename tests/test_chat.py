@@ -160,3 +160,17 @@ def test_the_command_refuses_bad_flags_before_loading(
     code, out, err = _chat(capsys, monkeypatch, missing, "hi\n", "--system", " ")
     assert code == 2 and out == ""
     assert "--system is empty" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [(["--chat"], "drop --chat, or give --no-chat"), (["--system", "be brief"], "--no-chat")],
+)
+def test_chat_flags_on_a_model_without_a_template_name_the_fix(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str], words: str
+) -> None:
+    folder = tiny_chat_llama(tmp_path / "base", chat=False)
+    argv = ["generate", "-m", str(folder), "--dtype", "float32", "-n", "4", *flags, "hi"]
+    code, out, err = run_cli(capsys, argv)
+    assert code == 2 and out == ""
+    assert "has no chat template" in err and words in err

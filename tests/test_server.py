@@ -370,6 +370,26 @@ def test_bad_input_is_400(served: Served, path: str, body: bytes | dict, param: 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("speculative", "strategy"),
+    [({"drafter": "ngram"}, "speculative"), ({"min_k": 2}, "dspark"), ({"forks": 2}, "spork")],
+)
+def test_options_imply_their_strategy_as_on_the_command_line(
+    served: Served, speculative: dict, strategy: str
+) -> None:
+    """A plain server takes `{"drafter": "ngram"}` as the CLI takes `--drafter ngram`: the
+    options name the strategy they belong to (the output stays plain decoding's)."""
+    base = {"prompt": "the cat sat on the mat, the cat", "max_tokens": 8, "temperature": 0}
+    plain = httpx.post(f"{served.url}/v1/completions", json=base, timeout=60)
+    resp = httpx.post(
+        f"{served.url}/v1/completions", json={**base, "speculative": speculative}, timeout=60
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    assert resp.json()["speculative"]["strategy"] == strategy
+
+
+@pytest.mark.slow
 def test_null_inside_speculative_means_not_given(served: Served) -> None:
     base = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
     plain = httpx.post(f"{served.url}/v1/completions", json=base, timeout=60)

@@ -149,10 +149,19 @@ def run(args: argparse.Namespace, err: Console) -> int:
     generator = Generator(loaded, spec=spec)
     if args.batch is not None:
         return run_batch(args, loaded, generator, config, sampling, err)
-    chat = args.chat if args.chat is not None else loaded.tokenizer.chat_template is not None
+    has_template = loaded.tokenizer.chat_template is not None
+    chat = args.chat if args.chat is not None else has_template
     messages: str | list[dict[str, str]] = prompt
+    if chat and not has_template:
+        raise SpecforkError(
+            f"{loaded.label} has no chat template (a base model continues text); drop --chat, "
+            "or give --no-chat"
+        )
     if args.system and not chat:
-        raise SpecforkError("--system needs chat mode, and this model has no chat template")
+        raise SpecforkError(
+            f"--system needs chat mode, and {loaded.label} has no chat template; drop --system "
+            "and give the prompt as text to continue (--no-chat)"
+        )
     if chat:
         messages = [{"role": "user", "content": prompt}]
         if args.system:

@@ -24,7 +24,13 @@ from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError
 from specfork.loading.chat_template import CHAT_ROLES
-from specfork.spec_schema import OPTIONS_BY_NAME, Wording, check_used, spec_with
+from specfork.spec_schema import (
+    OPTIONS_BY_NAME,
+    Wording,
+    check_used,
+    implied_strategy,
+    spec_with,
+)
 from specfork.strategies.registry import draft_nodes_bound
 
 Kind = Literal["completion", "chat"]
@@ -498,6 +504,9 @@ def _speculative(obj: Any, default: SpecConfig, limits: RequestLimits) -> SpecCo
     obj = {key: value for key, value in obj.items() if value is not None}  # null: not given
     _check_spec_values(obj, default)
     try:
+        if "strategy" not in obj and not default.drafts:  # as the CLI: options imply one
+            implied = implied_strategy(list(obj), REQUEST_WORDING)
+            obj = obj if implied is None else {"strategy": implied, **obj}
         spec = spec_with(default, obj)
         _check_drafter_paths(spec, default)
         check_used(spec.strategy, [key for key in obj if key != "strategy"], REQUEST_WORDING)
