@@ -174,3 +174,40 @@ def test_chat_flags_on_a_model_without_a_template_name_the_fix(
     code, out, err = run_cli(capsys, argv)
     assert code == 2 and out == ""
     assert "has no chat template" in err and words in err
+
+
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        ("generate", "-n MAX_NEW_TOKENS tokens to generate at most (default: 256)"),
+        ("chat", "-n MAX_NEW_TOKENS per reply (512)"),
+        ("generate", "--dtype {auto,float32,bfloat16,float16,gguf} precision: gguf"),
+    ],
+)
+def test_help_shows_defaults(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str, shown: str
+) -> None:
+    from specfork.cli import build_parser
+
+    monkeypatch.setenv("COLUMNS", "2000")  # argparse wraps at the terminal's width
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert shown in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    if command == "generate":
+        assert "auto = fastest (default: auto)" in text
+
+
+def test_structured_output_cut_by_the_limit_says_so(
+    capsys: pytest.CaptureFixture[str], folder: Path
+) -> None:
+    """Even with -q: the output is not what --json promised, and stdout holds only it."""
+    argv = ["generate", "-m", str(folder), "--dtype", "float32", "-q", "--json", "-n", "3", "hi"]
+    code, out, err = run_cli(capsys, argv)
+    assert code == 0
+    text = out.removesuffix("\n")
+    assert text.startswith("{") and len(text) > 0
+    assert "stopped at -n 3 before its json_object structure was complete" in err
+    code, out, err = run_cli(capsys, [*argv[:5], "-n", "3", "hi"])  # no constraint: no warning
+    assert code == 0 and "structure" not in err

@@ -137,6 +137,14 @@ def test_calibrate_suggests_thresholds(capsys) -> None:
     assert result["low"] < result["high"]
     assert result["flags"] == f"--low {result['low']:.2f} --high {result['high']:.2f}"
     assert result["method"] in ("outcomes", "percentiles")
+    assert result["rounds"] < 200 and "drafting rounds" in result["caution"]  # 2 short prompts
+
+
+def test_calibration_caution_depends_on_the_rounds() -> None:
+    from specfork.cli.tools import MIN_CALIBRATION_ROUNDS, _caution
+
+    assert _caution(MIN_CALIBRATION_ROUNDS) is None
+    assert "only 27 drafting rounds" in str(_caution(27))
 
 
 @pytest.mark.slow
@@ -146,6 +154,7 @@ def test_calibrate_table(capsys) -> None:
     text = " ".join(out.split())  # the table title may wrap
     assert "accepted draft tokens per round (K = 3" in text
     assert "--strategy dspark --drafter ngram --low" in text
+    assert "caution: only" in text  # one prompt of 16 tokens: a rough suggestion
 
 
 @pytest.mark.parametrize(

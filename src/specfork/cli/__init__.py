@@ -25,6 +25,20 @@ from specfork.errors import SpecforkError
 COMMANDS = (generate, chat, tools, train_head, export, bench, serve)
 
 
+class DefaultsHelp(argparse.HelpFormatter):
+    """Help that shows each option's default, unless it is off (None, False, empty) or the
+    help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if not action.option_strings or default in (None, False, argparse.SUPPRESS, "", []):
+            return action.help
+        if "default" in text or f"({default})" in text or "%(default)" in text:
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specfork", description="Lossless speculative decoding for LLMs in PyTorch."
@@ -35,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         command.add_parser(sub)
     for command_parser in sub.choices.values():  # `specfork generate -v` and `specfork -v ...`
+        command_parser.formatter_class = DefaultsHelp
         command_parser.add_argument(
             "--verbose",
             "-v",

@@ -36,6 +36,7 @@ from specfork.strategies.policies import make_policy
 MAX_RUNNING = 8
 
 if TYPE_CHECKING:
+    from specfork.engine.lifecycle import GenerationResult
     from specfork.engine.logprobs import TokenLogprob
     from specfork.loading.tokenizer import Tokenizer
 
@@ -51,7 +52,9 @@ def add_parser(sub: Any) -> None:
         help="apply the chat template (default: on when the model has one)",
     )
     gen.add_argument("--system", default=None, help="system message (chat mode)")
-    gen.add_argument("--max-new-tokens", "-n", type=int, default=256)
+    gen.add_argument(
+        "--max-new-tokens", "-n", type=int, default=256, help="tokens to generate at most"
+    )
     gen.add_argument(
         "--stop",
         action="append",
@@ -178,6 +181,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
             summary = f"{stream.result.stats.summary()} | finish: {stream.result.finish_reason}"
             err.print(f"{model} | {summary}", style="dim", markup=False, highlight=False)
             _warn_shared_cores(stream.result.stats, err)
+        _warn_cut_structure(args, config, stream.result, err)
         _report(args, stream.result.stats, err)
         if stream.result.logprobs is not None:
             _logprob_table(stream.result.logprobs, loaded.tokenizer, err)
@@ -189,6 +193,27 @@ def _warn_shared_cores(stats: GenerationStats, err: Console) -> None:
     warning = stats.threads.warning() if stats.threads is not None else None
     if warning is not None:
         err.print(f"warning: {warning}", style="yellow", markup=False, highlight=False)
+
+
+def _warn_cut_structure(
+    args: argparse.Namespace, config: GenerationConfig, result: GenerationResult, err: Console
+) -> None:
+    """One line when structured output stopped before its structure was complete (even with
+    --quiet: the output is not what the flag promised)."""
+    constraint, reason = config.constraint, result.finish_reason
+    if constraint is None or reason not in ("length", "time") or constraint.matches(result.text):
+        return
+    limit = (
+        f"-n {args.max_new_tokens}" if reason == "length" else f"--max-seconds {args.max_seconds}"
+    )
+    err.print(
+        f"warning: the output stopped at {limit} before its {constraint.describe()} structure "
+        "was complete, so it is not valid; give a larger limit",
+        soft_wrap=True,
+        style="yellow",
+        markup=False,
+        highlight=False,
+    )
 
 
 def _check_single_flags(args: argparse.Namespace) -> None:

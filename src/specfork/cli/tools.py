@@ -25,6 +25,7 @@ from specfork.cli.common import (
 from specfork.config import GenerationConfig
 from specfork.errors import ConfigError, SpecforkError
 
+MIN_CALIBRATION_ROUNDS = 200  # fewer drafting rounds: calibrate says its thresholds are rough
 PROMPTS_HELP = (
     'prompt file: Spec-Bench JSONL, JSONL of {"prompt": ...} or plain text (one prompt a line); '
     "default: built-in prompts"
@@ -54,7 +55,7 @@ def add_parser(sub: Any) -> None:
     cal.add_argument("--prompts", type=Path, default=None, help=PROMPTS_HELP)
     cal.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     cal.add_argument("--fixed-k", type=int, default=4, help="the fixed draft length (default 4)")
-    cal.add_argument("--max-new-tokens", "-n", type=int, default=128)
+    cal.add_argument("--max-new-tokens", "-n", type=int, default=128, help="tokens per prompt")
     cal.add_argument("--json", action="store_true", help="print the result as JSON")
     add_spec_flags(cal)
     cal.set_defaults(
@@ -99,7 +100,7 @@ def _add_scan_parser(sub: Any) -> None:
     )
     add_model_flags(scan)
     scan.add_argument("--prompts", type=Path, default=None, help=PROMPTS_HELP)
-    scan.add_argument("--max-new-tokens", "-n", type=int, default=64)
+    scan.add_argument("--max-new-tokens", "-n", type=int, default=64, help="tokens per prompt")
     scan.set_defaults(run=run_scan_self)
 
 
@@ -163,7 +164,17 @@ def run_calibrate(args: argparse.Namespace, err: Console) -> int:
 def _as_dict(result: Any) -> dict:
     from dataclasses import asdict
 
-    return {**asdict(result), "flags": result.flags()}
+    return {**asdict(result), "flags": result.flags(), "caution": _caution(result.rounds)}
+
+
+def _caution(rounds: int) -> str | None:
+    """A warning when the suggestion rests on too few rounds to be more than rough."""
+    if rounds >= MIN_CALIBRATION_ROUNDS:
+        return None
+    return (
+        f"only {rounds} drafting rounds: thresholds from fewer than {MIN_CALIBRATION_ROUNDS} "
+        "are rough; give more prompts (--prompts FILE) or more tokens per prompt (-n)"
+    )
 
 
 def _print_calibration(result: Any, drafter: str) -> None:
@@ -189,6 +200,9 @@ def _print_calibration(result: Any, drafter: str) -> None:
     )
     out.print(f"suggested ({how}):", highlight=False)
     out.print(f"  --strategy dspark --drafter {drafter} {result.flags()}", highlight=False)
+    caution = _caution(result.rounds)
+    if caution is not None:
+        out.print(f"caution: {caution}", style="yellow", markup=False, highlight=False)
 
 
 def run_trace_plot(args: argparse.Namespace, err: Console) -> int:
