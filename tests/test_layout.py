@@ -85,6 +85,7 @@ LAYERS = (
     "checks",
     "extras",
     "host",
+    "steps",
     "atomic",
     "threads",
     "constraint",

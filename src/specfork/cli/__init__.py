@@ -20,6 +20,7 @@ from rich.markup import escape
 from specfork import __version__
 from specfork.cli import bench, chat, export, generate, serve, tools, train_head
 from specfork.cli.common import EXIT_USER_ERROR, resolve_strategy
+from specfork.cli.step_display import show_long_steps
 from specfork.errors import SpecforkError
 
 COMMANDS = (generate, chat, tools, train_head, export, bench, serve)
@@ -68,6 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     err = Console(stderr=True, highlight=False)
+    if err.is_terminal and not getattr(args, "quiet", False):
+        show_long_steps(err)
     try:
         if hasattr(args, "strategy"):
             resolve_strategy(args)

@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> None:
     """Add the `compile`, `calibrate`, `trace-plot`, `scan-self` and `models` commands."""
     comp = sub.add_parser(
         "compile",
-        help="build specfork's CPU kernels now (otherwise the first run does, ~30 s)",
+        help="build specfork's CPU kernels now (else the first run does: 30-90 s on two cores)",
         description="Compiles the CPU kernels once for this machine, PyTorch and compiler and "
         "caches them in specfork's cache folder; with --model, also loads that model on them "
         "and runs a few tokens. Every later run starts in seconds.",
@@ -115,8 +115,8 @@ def run_compile(args: argparse.Namespace, err: Console) -> int:
     from specfork.loading.loader import load_model
 
     t0 = time.perf_counter()
-    with err.status("compiling specfork's CPU kernels (once per machine)…", spinner="dots"):
-        module, why = kernel_status()
+    with err.status("finding specfork's CPU kernels…", spinner="dots"):
+        module, why = kernel_status()  # (a build shows its own progress)
     if module is None:
         raise SpecforkError(f"the kernels cannot be built here: {why}")
     cxx = compiler()

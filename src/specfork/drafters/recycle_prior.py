@@ -32,6 +32,7 @@ from specfork.atomic import atomic_file
 from specfork.drafters.recycle import UNKNOWN
 from specfork.host import source_digest
 from specfork.models.target import TargetModel
+from specfork.steps import long_step
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,9 @@ def load_or_compute(
         except (SafetensorError, OSError, KeyError) as exc:
             log.warning("recomputing the unreadable recycle prior %s: %s", path, exc)
     ids = min(PRIOR_IDS, model.config.vocab_size)
-    log.info("computing the recycle prior (%d token ids, once per model file)", ids)
-    table = compute_prior(model, width, context, ids)
+    what = f"computing the recycle prior of {ids} token ids, once per model file"
+    with long_step(log, what, "about 30 s for the default model on two cores"):
+        table = compute_prior(model, width, context, ids)
     if path is not None:
         _save(table, path)
     return table
