@@ -94,6 +94,7 @@ LAYERS = (
     "spec_schema",
     "tree",
     "sampling",
+    "penalties",
     "kv_cache",
     "verify",
     "kernels",

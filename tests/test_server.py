@@ -390,6 +390,36 @@ def test_options_imply_their_strategy_as_on_the_command_line(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["completions", "chat/completions"])
+def test_penalties_and_logit_bias(served: Served, kind: str) -> None:
+    """OpenAI's penalties and biases: the text of the library's plain decoding with the same
+    settings, under the strategy the request asks for; a banned token never appears."""
+    fields = {"max_tokens": 24, "temperature": 0, "presence_penalty": 0.5}
+    fields["frequency_penalty"] = 1.0
+    prompt = "List the numbers one, two, three, one, two, three, one, two, three."
+    tok = served.reference.tokenizer
+    banned = tok.encode(" one")[-1]
+    body = {**fields, "logit_bias": {str(banned): -100}}
+    body |= {"prompt": prompt} if kind == "completions" else {}
+    body |= {"messages": [{"role": "user", "content": prompt}]} if kind != "completions" else {}
+    sampling = SamplingParams(
+        presence_penalty=0.5, frequency_penalty=1.0, logit_bias=((banned, -100.0),)
+    )
+    config = GenerationConfig(max_new_tokens=24)
+    chat = kind != "completions"
+    source = body["messages"] if chat else prompt
+    expected = served.reference.generate(source, chat=chat, config=config, sampling=sampling)
+    assert banned not in expected.token_ids
+    for speculative in (None, {"strategy": "spork", "drafter": "recycle+ngram"}):
+        sent = body if speculative is None else {**body, "speculative": speculative}
+        resp = httpx.post(f"{served.url}/v1/{kind}", json=sent, timeout=60)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        text = choice["text"] if kind == "completions" else choice["message"]["content"]
+        assert text == expected.text
+
+
+@pytest.mark.slow
 def test_null_inside_speculative_means_not_given(served: Served) -> None:
     base = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
     plain = httpx.post(f"{served.url}/v1/completions", json=base, timeout=60)

@@ -159,8 +159,15 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    # OpenAI's penalties on the output so far: logit[t] -= frequency · c[t] + presence · (c[t] > 0),
+    # c[t] = how often the output holds t; and fixed biases added to the logits of token ids.
+    # They change the target's distribution, which speculation then reproduces exactly.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
 
     def __post_init__(self) -> None:
+        self._check_penalties()
         t = self.temperature
         if not is_number(t) or not math.isfinite(t) or t < 0:
             raise ConfigError(
@@ -178,6 +185,32 @@ class SamplingParams:
         if seed is not None and (not is_int(seed) or not 0 <= seed < 2**63):
             raise ConfigError(f"seed must be an integer in [0, 2**63), got {seed!r}")
 
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_number(value) and -2 <= value <= 2):
+                raise ConfigError(f"{name} must be a number in [-2, 2], got {value!r}")
+        bias = self.logit_bias
+        if isinstance(bias, dict):  # {id: bias}, as OpenAI's JSON has it
+            object.__setattr__(self, "logit_bias", bias := tuple(sorted(bias.items())))
+        if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS:
+            raise ConfigError(
+                f"logit_bias must be at most {MAX_LOGIT_BIAS} (token id, bias) pairs, got {bias!r}"
+            )
+        for pair in bias:
+            ok = isinstance(pair, tuple) and len(pair) == 2 and is_int(pair[0]) and pair[0] >= 0
+            if not ok or not (_is_number(pair[1]) and -100 <= pair[1] <= 100):
+                raise ConfigError(
+                    f"logit_bias pairs are (token id >= 0, bias in [-100, 100]), got {pair!r}"
+                )
+        if len({t for t, _ in bias}) != len(bias):
+            raise ConfigError("logit_bias names a token id twice")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the target's logits change before sampling (penalties or biases)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
     @property
     def greedy(self) -> bool:
         """Temperatures below GREEDY_BELOW are greedy (as in vLLM): dividing float32 logits by
@@ -185,6 +218,7 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)
 

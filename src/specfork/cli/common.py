@@ -94,6 +94,25 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max p")
     g.add_argument("--seed", type=int, default=None, help="seed that reproduces a sampled run")
+    g.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2]: subtract it from the logit of every token the output already holds",
+    )
+    g.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2]: subtract it times the count of each token in the output so far",
+    )
+    g.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS in [-100, 100] to token ID's logit (repeatable; -100 bans the token)",
+    )
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -103,7 +122,23 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         top_p=args.top_p,
         min_p=args.min_p,
         seed=args.seed,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=tuple(_logit_bias(text) for text in args.logit_bias),
     )
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    """`--logit-bias ID=BIAS` as (id, bias)."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError(text)
+        return int(token), float(bias)
+    except ValueError:
+        raise ConfigError(
+            f"--logit-bias takes TOKEN_ID=BIAS (e.g. 42=-100), got {text!r}"
+        ) from None
 
 
 def add_spec_flags(p: argparse.ArgumentParser) -> None:

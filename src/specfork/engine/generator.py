@@ -214,6 +214,12 @@ class Generator:
         ids = self.prompt_ids(prompt, chat=chat, config=config)  # config's kind checked there
         check_kind("sampling", sampling, SamplingParams)
         check_kind("spec", spec, SpecConfig)
+        vocab = self.model.config.vocab_size
+        outside = [t for t, _ in (sampling.logit_bias if sampling else ()) if t >= vocab]
+        if outside:
+            raise ConfigError(
+                f"logit_bias names token id {outside[0]}, outside the vocabulary of {vocab} ids"
+            )
         config = config or GenerationConfig()
         self._check_thread()
         self.use_strategy(spec or self.default_spec)

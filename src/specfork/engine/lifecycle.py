@@ -36,7 +36,8 @@ def first_tokens(req: Request, logits: torch.Tensor) -> list[int]:
     """The token the target chooses after the prompt, from its last row's logits [V]."""
     grammar = req.grammar
     allowed = None if grammar is None else grammar.mask()  # [V]
-    chosen = logits if allowed is None else constrained(logits, allowed)
+    p_logits = req.target_logits(logits[None])[0]  # [V], penalised when the request asks
+    chosen = p_logits if allowed is None else constrained(p_logits, allowed)
     tokens = [next_token(chosen, req.sampling, req.rng, len(req.history))]
     if grammar is not None:
         tokens = grammar.advance(tokens)

@@ -19,6 +19,7 @@ from specfork.engine.logprobs import TokenLogprob, token_logprobs
 from specfork.engine.output import OutputBuilder
 from specfork.engine.stats import GenerationStats
 from specfork.kv_cache import KVCache
+from specfork.penalties import penalized, row_paths
 from specfork.strategies.goodput import Gate, NoGate
 from specfork.strategies.policies import DraftPolicy
 from specfork.threads import ThreadUse
@@ -54,6 +55,21 @@ class Request:
     def generated(self) -> int:
         """Output tokens emitted so far."""
         return len(self.history) - len(self.prompt_ids)
+
+    def target_logits(
+        self,
+        logits: torch.Tensor,
+        draft_tokens: list[int] | None = None,
+        parents: list[int] | None = None,
+    ) -> torch.Tensor:
+        """The target's logits [R, V] at a round's rows (the root, then the drafted nodes:
+        `draft_tokens`, a tree's `parents` or None for a chain) with the request's penalties
+        and biases applied, as plain decoding would apply them at each row."""
+        if not self.sampling.penalized:
+            return logits
+        paths = row_paths(draft_tokens or [], parents)
+        output = self.history[len(self.prompt_ids) :]
+        return penalized(logits, self.sampling, output, paths)
 
     def note_logprobs(self, logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:
         """Keep the log-probabilities of a round's emitted `tokens`, predicted by `rows` of

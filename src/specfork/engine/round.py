@@ -68,7 +68,8 @@ def finish_round(
     states [C, N + 1, D]) at the planned draft's rows; the tokens to emit."""
     draft, allowed, stats = planned.draft, planned.allowed, req.stats
     t0 = time.perf_counter()
-    verdict = accept(req, draft, logits if allowed is None else constrained(logits, allowed))
+    p_logits = target_logits(req, draft, logits)  # the penalised target, when it asks
+    verdict = accept(req, draft, p_logits if allowed is None else constrained(p_logits, allowed))
     tokens = verdict.tokens if req.grammar is None else req.grammar.advance(verdict.tokens)
     req.note_logprobs(logits, [0, *(1 + n for n in verdict.path)], verdict.tokens)
     t0 = stats.spend("accept", t0)
@@ -77,6 +78,15 @@ def finish_round(
     learn(req, planned.shape, planned.proposed, draft, verdict, logits)
     stats.spend("learn", t0)
     return tokens
+
+
+def target_logits(req: Request, draft: Draft, logits: torch.Tensor) -> torch.Tensor:
+    """The target's logits [N + 1, V] with the request's penalties and logit biases at every
+    row (each row counts the drafted tokens on its own path), or `logits` without them."""
+    if not req.sampling.penalized:
+        return logits
+    parents = None if draft.is_chain else draft.tree.parents.tolist()
+    return req.target_logits(logits, draft.tokens.tolist(), parents)
 
 
 def round_segment(req: Request, draft: Draft, device: torch.device) -> Segment:

@@ -63,6 +63,9 @@ COMMON_FIELDS = frozenset(
         "exact",
         "logprobs",
         "response_format",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
     }
 )
 KIND_FIELDS = {
@@ -71,12 +74,9 @@ KIND_FIELDS = {
 }
 # Accepted OpenAI fields whose features specfork lacks: allowed only at their neutral values.
 NEUTRAL = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
-    "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),
@@ -471,14 +471,39 @@ def _logprobs(obj: dict[str, Any], kind: Kind) -> int | None:
 
 
 def _sampling(obj: dict[str, Any]) -> SamplingParams:
-    names = ("temperature", "top_k", "top_p", "min_p", "seed")
-    given = {n: obj[n] for n in names if n in obj}
+    names = ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty")
+    names += ("frequency_penalty",)
+    given = {n: obj[n] for n in names if obj.get(n) is not None}
     given.setdefault("temperature", 1.0)  # OpenAI's default; 0 is greedy
+    if obj.get("logit_bias") is not None:
+        given["logit_bias"] = _logit_bias(obj["logit_bias"])
     try:
         return SamplingParams(**given)
     except ConfigError as exc:
         field = str(exc).split(" ", 1)[0]
-        raise APIError(str(exc), param=field if field in names else None) from exc
+        raise APIError(str(exc), param=field if field in (*names, "logit_bias") else None) from exc
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: an object of token ids (as strings) to biases in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise APIError(
+            'logit_bias must be an object of token ids to biases, e.g. {"42": -100}',
+            param="logit_bias",
+        )
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 9):
+            raise APIError(
+                f"logit_bias keys are token ids written as strings, got {key!r}",
+                param="logit_bias",
+            )
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise APIError(
+                f"logit_bias[{key!r}] must be a number, got {bias!r}", param="logit_bias"
+            )
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
 
 
 def _speculative(obj: Any, default: SpecConfig, limits: RequestLimits) -> SpecConfig | None:
