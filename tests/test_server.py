@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -248,7 +249,9 @@ BAD = [
     ("completions", {"prompt": "hi", "min_p": -0.1}, "min_p"),
     ("completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
     ("completions", {"prompt": "hi", "seed": -3}, "seed"),
-    ("completions", {"prompt": "hi", "n": 2}, "n"),
+    ("completions", {"prompt": "hi", "n": 9}, "n"),
+    ("completions", {"prompt": "hi", "n": 0}, "n"),
+    ("completions", {"prompt": "hi", "n": 2, "stream": True}, "n"),
     ("completions", {"prompt": "hi", "stop": ""}, "stop"),
     ("completions", {"prompt": "hi", "stop": ["ok", ""]}, "stop"),
     ("completions", {"prompt": "hi", "stop": 5}, "stop"),
@@ -417,6 +420,41 @@ def test_penalties_and_logit_bias(served: Served, kind: str) -> None:
         choice = resp.json()["choices"][0]
         text = choice["text"] if kind == "completions" else choice["message"]["content"]
         assert text == expected.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["completions", "chat/completions"])
+def test_n_choices(served: Served, kind: str) -> None:
+    """n completions of one prompt, decoded together: choice i is what the library samples
+    with seed + i; greedy choices are all the same; usage counts every choice's tokens."""
+    chat = kind != "completions"
+    prompt = "Write a one-line poem about the sea." if chat else "Once upon a time, the sea"
+    source: Any = [{"role": "user", "content": prompt}] if chat else prompt
+    body = {"max_tokens": 16, "temperature": 0.9, "seed": 5, "n": 3}
+    body |= {"messages": source} if chat else {"prompt": prompt}
+    body["speculative"] = {"strategy": "speculative", "drafter": "ngram"}
+    resp = httpx.post(f"{served.url}/v1/{kind}", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    choices = out["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    texts = [c["text"] if not chat else c["message"]["content"] for c in choices]
+    config = GenerationConfig(max_new_tokens=16)
+    tokens = 0
+    for i, text in enumerate(texts):
+        sampling = SamplingParams(temperature=0.9, seed=5 + i)
+        expected = served.reference.generate(source, chat=chat, config=config, sampling=sampling)
+        assert text == expected.text
+        tokens += len(expected.token_ids)
+        assert choices[i]["speculative"]["strategy"] == "speculative"
+    assert len(set(texts)) > 1  # distinct seeds: distinct completions
+    assert out["usage"]["completion_tokens"] == tokens
+    greedy = {**body, "temperature": 0, "n": 2}
+    choices = httpx.post(f"{served.url}/v1/{kind}", json=greedy, timeout=120).json()["choices"]
+    same = ("text", "message", "finish_reason")
+    assert [{k: c.get(k) for k in same} for c in choices] == [
+        {k: choices[0].get(k) for k in same}
+    ] * 2
 
 
 @pytest.mark.slow

@@ -207,36 +207,59 @@ class _Handlers:
             body = await self._body(request)
             req = schemas.parse_request(body, kind, self.ctx)
             ids = await self._encode_in_turn(req, large=len(body) > LARGE_BODY)
-            job = Job(
-                ids,
-                req.config,
-                req.sampling,
-                req.spec,
-                deltas=req.stream,
-                prompt_param="prompt" if kind == "completion" else "messages",
-            )
-            self.worker.submit(job)
-            first = await self._wait(job, request)
-            if first is not None and first.kind == "start" and not req.stream:
-                first = await self._wait(job, request)
+            jobs = self._submit(req, ids)
+            firsts = [await self._first(job, req, request) for job in jobs]
         except APIError as exc:
             self.metrics_.count_request(endpoint, exc.status)
             return error_response(exc)
         except ClientDisconnect:  # gone while sending its body: nobody to answer
-            first = None
-        if first is None:  # the client went away
+            jobs, firsts = [], [None]
+        failed = next((e for e in firsts if e is None or e.kind == "error"), False)
+        if failed is not False:
+            for job in jobs:
+                job.cancel()
+        if failed is None:  # the client went away
             self.metrics_.count_request(endpoint, 499)
             return Response(status_code=499)
-        if first.kind == "error":
-            assert first.error is not None
-            self.metrics_.count_request(endpoint, first.error.status)
-            return error_response(first.error)
+        if failed:
+            assert failed.error is not None
+            self.metrics_.count_request(endpoint, failed.error.status)
+            return error_response(failed.error)
         meta = ResponseMeta.new(kind, self.config.model_name)
         if req.stream:
             count = functools.partial(self.metrics_.count_request, endpoint)
-            return _EventStream(job, req, meta, count, self._token_text)
+            return _EventStream(jobs[0], req, meta, count, self._token_text)
         self.metrics_.count_request(endpoint, 200)
-        return JSONResponse(_whole_body(meta, first, self._token_text))
+        done = [event for event in firsts if event is not None]
+        return JSONResponse(_whole_body(meta, done, self._token_text))
+
+    def _submit(self, req: CompletionRequest, ids: list[int]) -> list[Job]:
+        """One job per choice, queued together (none stays queued if one cannot be)."""
+        jobs: list[Job] = []
+        try:
+            for index in range(req.n):
+                job = Job(
+                    ids,
+                    req.config,
+                    req.choice_sampling(index),
+                    req.spec,
+                    deltas=req.stream,
+                    prompt_param="prompt" if req.kind == "completion" else "messages",
+                )
+                self.worker.submit(job)
+                jobs.append(job)
+        except APIError:
+            for job in jobs:
+                job.cancel()
+            raise
+        return jobs
+
+    async def _first(self, job: Job, req: CompletionRequest, request: Request) -> Event | None:
+        """A stream's first event (it has started), or a whole answer's result."""
+        event = await self._wait(job, request)
+        if event is not None and event.kind == "start" and not req.stream:
+            event = await self._wait(job, request)
+        return event
 
     def _token_text(self, token_id: int) -> str:
         """A token's own text, as log-probabilities name alternatives (cached: a response
@@ -379,21 +402,36 @@ def _data(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _whole_body(meta: ResponseMeta, done: Event, token_text: Callable[[int], str]) -> dict:
-    result = done.result
-    assert result is not None and done.spec is not None
-    logprobs = None
-    if result.logprobs is not None:
-        logprobs = schemas.logprobs_body(meta.kind, result.logprobs, token_text)
-    reason = schemas.finish_reason(result.finish_reason)
-    stats = schemas.speculative_stats(
-        done.spec, result.stats, done.plain_under_load, result.finish_reason
-    )
+def _whole_body(
+    meta: ResponseMeta, done: list[Event], token_text: Callable[[int], str]
+) -> dict[str, Any]:
+    """The response to a request that is not streamed: its choices (n ≥ 1), usage (the prompt
+    once, every choice's tokens) and the first choice's speculative stats (with n > 1, each
+    choice carries its own as well)."""
+    choices, stats = [], []
+    for index, event in enumerate(done):
+        result = event.result
+        assert result is not None and event.spec is not None
+        logprobs = None
+        if result.logprobs is not None:
+            logprobs = schemas.logprobs_body(meta.kind, result.logprobs, token_text)
+        reason = schemas.finish_reason(result.finish_reason)
+        choice = schemas.choice(meta.kind, result.text, reason, False, logprobs, index)
+        stats.append(
+            schemas.speculative_stats(
+                event.spec, result.stats, event.plain_under_load, result.finish_reason
+            )
+        )
+        if len(done) > 1:
+            choice["speculative"] = stats[-1]
+        choices.append(choice)
+    results = [e.result for e in done if e.result is not None]
+    completion = sum(len(r.token_ids) for r in results)
     return {
         **meta.head(False),
-        "choices": [schemas.choice(meta.kind, result.text, reason, False, logprobs)],
-        "usage": schemas.usage(len(result.prompt_ids), len(result.token_ids)),
-        "speculative": stats,
+        "choices": choices,
+        "usage": schemas.usage(len(results[0].prompt_ids), completion),
+        "speculative": stats[0],
     }
 
 

@@ -8,6 +8,7 @@ as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -41,6 +42,7 @@ REQUEST_WORDING = Wording("key", lambda o: f"speculative.{o.name}", this="this r
 SPEC_KEYS = ("strategy", *OPTIONS_BY_NAME)  # one schema with the CLI flags and bench specs
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex")
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 8  # n: completions one request may ask for (they decode in one batch)
 MAX_STOP_CHARS = 512  # characters per stop string
 MAX_SPEC_INT = 64  # largest k / n-gram size a request may ask for
 LAYERS = re.compile(r"\s*\d{1,4}(\s*-\s*\d{1,4})?(\s*,\s*\d{1,4}(\s*-\s*\d{1,4})?)*\s*")
@@ -173,6 +175,15 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     max_tokens_given: bool
+    n: int = 1  # choices: independent completions of the prompt, decoded together
+
+    def choice_sampling(self, index: int) -> SamplingParams:
+        """Choice `index`'s sampling: a seeded request's choices draw from seed, seed + 1, …
+        (distinct completions, each reproducible)."""
+        seed = self.sampling.seed
+        if seed is None or index == 0:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=(seed + index) % 2**63)
 
 
 def parse_request(body: bytes, kind: Kind, ctx: ParseContext) -> CompletionRequest:
@@ -180,10 +191,10 @@ def parse_request(body: bytes, kind: Kind, ctx: ParseContext) -> CompletionReque
     obj = _load_object(body)
     _check_fields(obj, kind)
     _check_model(obj.get("model"), ctx.model_name)
-    _check_n(obj.get("n"))
     prompt = _prompt(obj) if kind == "completion" else _messages(obj.get("messages"))
     max_tokens = _max_tokens(obj, ctx.context)
     stream = _bool(obj, "stream")
+    n = _choices(obj.get("n"), stream)
     limits = ctx.limits
     return CompletionRequest(
         kind=kind,
@@ -194,6 +205,7 @@ def parse_request(body: bytes, kind: Kind, ctx: ParseContext) -> CompletionReque
         stream=stream,
         include_usage=_include_usage(obj.get("stream_options"), stream),
         max_tokens_given=max_tokens is not None,
+        n=n,
     )
 
 
@@ -259,10 +271,19 @@ def _check_model(model: Any, served: str) -> None:
         )
 
 
-def _check_n(n: Any) -> None:
-    if n is None or (is_int(n) and n == 1):
-        return
-    raise APIError(f"n must be 1 (one choice per request), got {n!r}", param="n")
+def _choices(n: Any, stream: bool) -> int:
+    """`n`: how many choices (1 when not given)."""
+    if n is None:
+        return 1
+    if not is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise APIError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", param="n")
+    if n > 1 and stream:
+        raise APIError(
+            "n > 1 is answered whole, not streamed; send stream false, or n 1 per stream",
+            param="n",
+            code="unsupported_parameter",
+        )
+    return n
 
 
 def _prompt(obj: dict[str, Any]) -> str | list[int]:
@@ -669,9 +690,10 @@ def choice(
     finish_reason: str | None,
     chunk: bool,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     """One element of `choices`: a whole answer, or a streamed delta when `chunk`."""
-    out: dict[str, Any] = {"index": 0}
+    out: dict[str, Any] = {"index": index}
     if kind == "completion":
         out.update(text=text, logprobs=logprobs)
     elif chunk:
