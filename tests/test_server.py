@@ -555,7 +555,7 @@ def test_self_layers_out_of_range_is_400_and_server_serves_on(served: Served) ->
     resp = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
     assert resp.status_code == 400 and "out of range" in resp.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError) as exc:
-        served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=3)
+        served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=9)
     assert exc.value.status_code == 400
     ok = served.client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0)
     assert ok.choices[0].finish_reason in ("length", "stop")
