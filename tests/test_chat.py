@@ -203,11 +203,11 @@ def test_structured_output_cut_by_the_limit_says_so(
     capsys: pytest.CaptureFixture[str], folder: Path
 ) -> None:
     """Even with -q: the output is not what --json promised, and stdout holds only it."""
-    argv = ["generate", "-m", str(folder), "--dtype", "float32", "-q", "--json", "-n", "3", "hi"]
+    argv = ["generate", "-m", str(folder), "--dtype", "float32", "-q", "--json", "-n", "1", "hi"]
     code, out, err = run_cli(capsys, argv)
     assert code == 0
     text = out.removesuffix("\n")
     assert text.startswith("{") and len(text) > 0
-    assert "stopped at -n 3 before its json_object structure was complete" in err
+    assert "stopped at -n 1 before its json_object structure was complete" in err
     code, out, err = run_cli(capsys, [*argv[:5], "-n", "3", "hi"])  # no constraint: no warning
     assert code == 0 and "structure" not in err

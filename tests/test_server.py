@@ -71,6 +71,21 @@ def served(smollm_f32: LoadedModel) -> Iterator[Served]:
         client.close()
 
 
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "The time now"}}
+
+
 def _spec(name: str) -> SpecConfig | None:
     obj = STRATEGIES[name]
     return None if obj is None else SpecConfig(**obj)
@@ -250,6 +265,37 @@ BAD = [
     ("completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
     ("completions", {"prompt": "hi", "seed": -3}, "seed"),
     ("completions", {"prompt": "hi", "n": 9}, "n"),
+    ("completions", {"prompt": "hi", "tools": [TOOL]}, "tools"),
+    ("chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
+    ("chat/completions", {"messages": MESSAGES, "tools": [TOOL], "stream": True}, "stream"),
+    ("chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0]"),
+    ("chat/completions", {"messages": MESSAGES, "tools": [TOOL] * 2}, "tools"),
+    (
+        "chat/completions",
+        {
+            "messages": MESSAGES,
+            "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "x"}},
+        },
+        "tool_choice",
+    ),
+    (
+        "chat/completions",
+        {"messages": MESSAGES, "tools": [TOOL], "response_format": {"type": "json_object"}},
+        "response_format",
+    ),
+    (
+        "chat/completions",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}],
+                }
+            ]
+        },
+        "messages[0].tool_calls[0]",
+    ),
     ("completions", {"prompt": "hi", "n": 0}, "n"),
     ("completions", {"prompt": "hi", "n": 2, "stream": True}, "n"),
     ("completions", {"prompt": "hi", "stop": ""}, "stop"),
@@ -455,6 +501,60 @@ def test_n_choices(served: Served, kind: str) -> None:
     assert [{k: c.get(k) for k in same} for c in choices] == [
         {k: choices[0].get(k) for k in same}
     ] * 2
+
+
+def _tool_call(served: Served, body: dict, speculative: dict | None = None) -> dict:
+    sent = {"max_tokens": 48, "temperature": 0, **body}
+    if speculative is not None:
+        sent["speculative"] = speculative
+    resp = httpx.post(f"{served.url}/v1/chat/completions", json=sent, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]
+
+
+@pytest.mark.slow
+def test_a_required_tool_call_is_a_valid_call_under_every_strategy(served: Served) -> None:
+    """tool_choice "required": the output is constrained to one call's JSON, so its arguments
+    follow the tool's schema; speculation gives plain decoding's call."""
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    body = {"messages": ask, "tools": [TOOL, TIME_TOOL], "tool_choice": "required"}
+    calls = []
+    for speculative in (None, {"strategy": "spork", "drafter": "recycle+ngram"}):
+        choice = _tool_call(served, body, speculative)
+        assert choice["finish_reason"] == "tool_calls"
+        (call,) = choice["message"]["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        assert call["function"]["name"] in ("get_weather", "get_time")
+        arguments = json.loads(call["function"]["arguments"])
+        if call["function"]["name"] == "get_weather":
+            assert isinstance(arguments["city"], str)
+        calls.append(call["function"])
+    assert calls[0] == calls[1]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    choice = _tool_call(served, {**body, "tool_choice": named})
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+
+
+@pytest.mark.slow
+def test_tools_in_a_conversation(served: Served) -> None:
+    """A call, its result and the follow-up: accepted in messages, answered (with text or a
+    call, as the model decides: tool_choice auto)."""
+    call = {"id": "call_1", "type": "function"}
+    call["function"] = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    messages = [
+        {"role": "user", "content": "What is the weather like in Paris today?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny", "celsius": 21}'},
+    ]
+    choice = _tool_call(served, {"messages": messages, "tools": [TOOL]})
+    message = choice["message"]
+    assert message["role"] == "assistant"
+    if choice["finish_reason"] == "tool_calls":
+        assert message["tool_calls"][0]["function"]["name"] == "get_weather"
+    else:
+        assert isinstance(message["content"], str) and "tool_calls" not in message
+    none = _tool_call(served, {"messages": messages, "tools": [TOOL], "tool_choice": "none"})
+    assert "tool_calls" not in none["message"]
 
 
 @pytest.mark.slow

@@ -368,7 +368,12 @@ CORPUS = [
         {"messages": [{"role": "system", "content": "hi"}], "max_tokens": 4},
         may_succeed=True,
     ),
-    C("message-tool-role", CHAT, {"messages": [{"role": "tool", "content": "hi"}]}),
+    C(
+        "message-tool-role",
+        CHAT,
+        {"messages": [{"role": "tool", "content": "hi"}], "max_tokens": 4},
+        may_succeed=True,
+    ),
     C(
         "message-longer-than-context",
         CHAT,
@@ -549,8 +554,10 @@ CORPUS = [
         CHAT,
         {
             "messages": MESSAGES,
+            "max_tokens": 4,
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
         },
+        may_succeed=True,
     ),
     C(
         "response-format-json",

@@ -18,6 +18,10 @@ from specfork.errors import ConfigError
 
 KINDS = ("json_schema", "json_object", "regex")
 ANY_OBJECT = '{"type": "object"}'
+# JSON is written compact (separators ", " and ": ", no other whitespace): with free whitespace
+# small models fill their whole budget with blank lines where they should close a string or
+# an object, and a compact object is fewer tokens
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_SOURCE_CHARS = 100_000  # a schema or pattern longer than this is refused
 
 
@@ -59,7 +63,8 @@ class Constraint:
                 f"a JSON schema must be a JSON object such as {ANY_OBJECT}, got "
                 f"{type(schema).__name__}"
             )
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        # keys in the given order: the grammar writes an object's properties in schema order
+        return cls("json_schema", json.dumps(schema))
 
     @classmethod
     def json_object(cls) -> Constraint:
@@ -99,7 +104,9 @@ class Constraint:
                 grammar = llguidance.LLMatcher.grammar_from_regex(self.source)
             else:
                 schema = self.source or ANY_OBJECT
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    schema, defaults=JSON_LAYOUT
+                )
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"the {what} cannot be used: {_one_line(str(exc))}") from None
         error = llguidance.LLMatcher.validate_grammar(grammar, None)

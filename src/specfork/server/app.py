@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from specfork.engine.tool_calls import parse_calls
 from specfork.errors import SpecforkError
 from specfork.server import schemas
 from specfork.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -231,7 +232,7 @@ class _Handlers:
             return _EventStream(jobs[0], req, meta, count, self._token_text)
         self.metrics_.count_request(endpoint, 200)
         done = [event for event in firsts if event is not None]
-        return JSONResponse(_whole_body(meta, done, self._token_text))
+        return JSONResponse(_whole_body(meta, done, self._token_text, req))
 
     def _submit(self, req: CompletionRequest, ids: list[int]) -> list[Job]:
         """One job per choice, queued together (none stays queued if one cannot be)."""
@@ -403,11 +404,14 @@ def _data(obj: dict[str, Any]) -> str:
 
 
 def _whole_body(
-    meta: ResponseMeta, done: list[Event], token_text: Callable[[int], str]
+    meta: ResponseMeta,
+    done: list[Event],
+    token_text: Callable[[int], str],
+    req: CompletionRequest,
 ) -> dict[str, Any]:
-    """The response to a request that is not streamed: its choices (n ≥ 1), usage (the prompt
-    once, every choice's tokens) and the first choice's speculative stats (with n > 1, each
-    choice carries its own as well)."""
+    """The response to a request that is not streamed: its choices (n ≥ 1; the tool calls
+    read from each output when the request has tools), usage (the prompt once, every choice's
+    tokens) and the first choice's speculative stats (with n > 1, each choice's own too)."""
     choices, stats = [], []
     for index, event in enumerate(done):
         result = event.result
@@ -417,6 +421,8 @@ def _whole_body(
             logprobs = schemas.logprobs_body(meta.kind, result.logprobs, token_text)
         reason = schemas.finish_reason(result.finish_reason)
         choice = schemas.choice(meta.kind, result.text, reason, False, logprobs, index)
+        if req.tool_mode != "none":
+            _read_calls(choice, result.text, req)
         stats.append(
             schemas.speculative_stats(
                 event.spec, result.stats, event.plain_under_load, result.finish_reason
@@ -433,6 +439,17 @@ def _whole_body(
         "usage": schemas.usage(len(results[0].prompt_ids), completion),
         "speculative": stats[0],
     }
+
+
+def _read_calls(choice: dict[str, Any], text: str, req: CompletionRequest) -> None:
+    """A chat choice whose output calls tools: the calls as `tool_calls`, the rest as content,
+    finish reason "tool_calls"."""
+    content, calls = parse_calls(text, req.tools)
+    if not calls:
+        return
+    calls_json = [call.to_openai() for call in calls]
+    choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls_json}
+    choice["finish_reason"] = "tool_calls"
 
 
 def _final_chunks(

@@ -23,6 +23,13 @@ from specfork.config import MAX_LOGPROBS, GenerationConfig, SamplingParams, Spec
 from specfork.constraint import Constraint
 from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.stats import GenerationStats
+from specfork.engine.tool_calls import (
+    Tool,
+    call_schema,
+    call_text,
+    response_text,
+    with_tools,
+)
 from specfork.errors import ConfigError
 from specfork.loading.chat_template import CHAT_ROLES
 from specfork.spec_schema import (
@@ -42,6 +49,7 @@ REQUEST_WORDING = Wording("key", lambda o: f"speculative.{o.name}", this="this r
 SPEC_KEYS = ("strategy", *OPTIONS_BY_NAME)  # one schema with the CLI flags and bench specs
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex")
 MAX_STOP_STRINGS = 16
+MAX_TOOLS = 128  # functions one request may list (OpenAI's limit)
 MAX_CHOICES = 8  # n: completions one request may ask for (they decode in one batch)
 MAX_STOP_CHARS = 512  # characters per stop string
 MAX_SPEC_INT = 64  # largest k / n-gram size a request may ask for
@@ -72,16 +80,20 @@ COMMON_FIELDS = frozenset(
 )
 KIND_FIELDS = {
     "completion": {"prompt"},
-    "chat": {"messages", "max_completion_tokens", "top_logprobs"},
+    "chat": {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    },
 }
 # Accepted OpenAI fields whose features specfork lacks: allowed only at their neutral values.
 NEUTRAL = {
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),
     "store": (False,),
     "metadata": (),
     "service_tier": (),
@@ -176,6 +188,8 @@ class CompletionRequest:
     include_usage: bool
     max_tokens_given: bool
     n: int = 1  # choices: independent completions of the prompt, decoded together
+    tools: tuple[Tool, ...] = ()  # functions the model may call (chat)
+    tool_mode: str = "none"  # "none", "auto" (the output may call) or "required" (it calls)
 
     def choice_sampling(self, index: int) -> SamplingParams:
         """Choice `index`'s sampling: a seeded request's choices draw from seed, seed + 1, …
@@ -196,17 +210,99 @@ def parse_request(body: bytes, kind: Kind, ctx: ParseContext) -> CompletionReque
     stream = _bool(obj, "stream")
     n = _choices(obj.get("n"), stream)
     limits = ctx.limits
+    config = _generation(obj, kind, max_tokens or ctx.default_max_tokens, limits)
+    tools = _tools(obj.get("tools")) if kind == "chat" else ()
+    mode, callable_tools = _tool_choice(obj.get("tool_choice"), tools)
+    if mode != "none":
+        _check_with_tools(config, stream)
+        prompt = with_tools(prompt, tools)  # type: ignore[arg-type]
+    if mode == "required":
+        call = Constraint.json_schema(call_schema(callable_tools))
+        config = dataclasses.replace(config, constraint=call, max_mask_ms=limits.max_mask_ms)
     return CompletionRequest(
         kind=kind,
         prompt=prompt,
-        config=_generation(obj, kind, max_tokens or ctx.default_max_tokens, limits),
+        config=config,
         sampling=_sampling(obj),
         spec=_speculative(obj.get("speculative"), ctx.default_spec, limits),
         stream=stream,
         include_usage=_include_usage(obj.get("stream_options"), stream),
         max_tokens_given=max_tokens is not None,
         n=n,
+        tools=tools,
+        tool_mode=mode,
     )
+
+
+def _tools(value: Any) -> tuple[Tool, ...]:
+    """OpenAI's `tools`: function definitions (an empty list: none)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise APIError(f"tools must be a list of at most {MAX_TOOLS} functions", param="tools")
+    tools = []
+    for i, item in enumerate(value):
+        param = f"tools[{i}]"
+        function = item.get("function") if isinstance(item, dict) else None
+        if (
+            not isinstance(item, dict)
+            or item.get("type") != "function"
+            or not isinstance(function, dict)
+        ):
+            raise APIError(
+                f'{param} must be {{"type": "function", "function": {{"name": ..., '
+                '"parameters": {...}}}',
+                param=param,
+            )
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        try:
+            tools.append(Tool(function.get("name"), function.get("description") or "", parameters))
+        except ConfigError as exc:
+            raise APIError(str(exc), param=f"{param}.function") from None
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError("tools names a function twice", param="tools")
+    return tuple(tools)
+
+
+def _tool_choice(value: Any, tools: tuple[Tool, ...]) -> tuple[str, tuple[Tool, ...]]:
+    """OpenAI's `tool_choice`: "none", "auto" (the default with tools), "required" or a named
+    function; the mode and the tools a required call may be of."""
+    if value is None:
+        return ("auto" if tools else "none"), tools
+    if value in ("none", "auto", "required"):
+        if value != "none" and not tools:
+            raise APIError(f"tool_choice {value!r} needs tools", param="tool_choice")
+        return value, tools
+    named = value.get("function") if isinstance(value, dict) else None
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(named, dict):
+        chosen = tuple(t for t in tools if t.name == named.get("name"))
+        if not chosen:
+            raise APIError(
+                f"tool_choice names the function {named.get('name')!r}, which tools does not list",
+                param="tool_choice",
+            )
+        return "required", chosen
+    raise APIError(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+        '{"name": ...}}',
+        param="tool_choice",
+    )
+
+
+def _check_with_tools(config: GenerationConfig, stream: bool) -> None:
+    if stream:
+        raise APIError(
+            "with tools the answer is sent whole, not streamed (its calls are read from the "
+            'complete output); send stream false or tool_choice "none"',
+            param="stream",
+            code="unsupported_parameter",
+        )
+    if config.constraint is not None:
+        raise APIError(
+            "response_format and tools together are not supported; give one of them",
+            param="response_format",
+        )
 
 
 def _load_object(body: bytes) -> dict[str, Any]:
@@ -329,12 +425,38 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if not isinstance(m, dict):
         raise APIError(f"{param} must be an object with role and content", param=param)
     role = m.get("role")
+    if role == "tool":  # a call's result: the next user turn carries it
+        return {"role": "user", "content": response_text(_content(m.get("content"), param))}
+    if role == "assistant" and m.get("tool_calls"):
+        return {"role": "assistant", "content": _with_calls(m, param)}
     if not isinstance(role, str) or role not in ROLES:
         raise APIError(
             f"{param}.role {role!r} is not supported; use one of {', '.join(ROLES)}",
             param=f"{param}.role",
         )
     return {"role": ROLES[role], "content": _content(m.get("content"), f"{param}.content")}
+
+
+def _with_calls(m: dict[str, Any], param: str) -> str:
+    """An assistant turn that called tools, as it wrote the calls (`tool_calls.call_text`)."""
+    calls = m["tool_calls"]
+    text = "" if m.get("content") is None else _content(m.get("content"), f"{param}.content")
+    if not isinstance(calls, list):
+        raise APIError(f"{param}.tool_calls must be a list of calls", param=f"{param}.tool_calls")
+    parts = [text] if text else []
+    for j, call in enumerate(calls):
+        where = f"{param}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise APIError(
+                f'{where} must be {{"function": {{"name": ..., "arguments": ...}}}}', param=where
+            )
+        try:
+            parts.append(call_text(name, function.get("arguments") or {}))
+        except ConfigError as exc:
+            raise APIError(str(exc), param=where) from None
+    return "\n".join(parts)
 
 
 def _content(content: Any, param: str) -> str:
