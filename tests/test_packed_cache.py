@@ -90,7 +90,7 @@ def test_load_model_keeps_the_packed_model_in_the_cache_folder(
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [index.name, stored.name]
     bf16 = load_model(gguf, dtype="bfloat16", progress=False)  # another precision: its own pack
     assert bf16.model.describe().startswith("bfloat16")
-    (packed_bf16,) = (tmp_path / "weights").glob("model-packed_bfloat16-*.safetensors")
+    (_packed_bf16,) = (tmp_path / "weights").glob("model-packed_bfloat16-*.safetensors")
     bf16_again = load_model(gguf, dtype="bfloat16", progress=False)
     assert torch.equal(_logits(bf16_again.model), _logits(bf16.model))
     assert len(list((tmp_path / "weights").iterdir())) == 3

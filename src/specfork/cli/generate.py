@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from contextlib import nullcontext
@@ -37,6 +38,7 @@ MAX_RUNNING = 8
 
 if TYPE_CHECKING:
     from specfork.engine.logprobs import TokenLogprob
+    from specfork.loading.facts import ModelFacts
     from specfork.loading.tokenizer import Tokenizer
 
 
@@ -120,7 +122,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace, err: Console) -> int:
     from specfork.engine.generator import Generator
-    from specfork.loading.loader import load_model
+    from specfork.engine.preflight import open_model
 
     sampling = sampling_from_args(args)
     stops = tuple(unescape(s, "the stop string") for s in args.stop)
@@ -144,15 +146,20 @@ def run(args: argparse.Namespace, err: Console) -> int:
         prompt = _prompt(args)
         check_writable(args.trace, "trace file")
     status = err.status(f"loading {escape(args.model)}…", spinner="dots")
+    options = model_options(args)
     with status if not args.quiet else nullcontext():
-        loaded = load_model(args.model, progress=not args.quiet, **model_options(args))
+        loaded = open_model(
+            args.model,
+            spec,
+            check=functools.partial(_check_chat, args),
+            progress=not args.quiet,
+            **options,
+        )
     generator = Generator(loaded, spec=spec)
     if args.batch is not None:
         return run_batch(args, loaded, generator, config, sampling, err)
     chat = args.chat if args.chat is not None else loaded.tokenizer.chat_template is not None
     messages: str | list[dict[str, str]] = prompt
-    if args.system and not chat:
-        raise SpecforkError("--system needs chat mode, and this model has no chat template")
     if chat:
         messages = [{"role": "user", "content": prompt}]
         if args.system:
@@ -180,6 +187,19 @@ def _warn_shared_cores(stats: GenerationStats, err: Console) -> None:
     warning = stats.threads.warning() if stats.threads is not None else None
     if warning is not None:
         err.print(f"warning: {warning}", style="yellow", markup=False, highlight=False)
+
+
+def _check_chat(args: argparse.Namespace, model: ModelFacts) -> None:
+    """--chat and --system need a chat template (checked before the model loads)."""
+    if model.has_chat_template or args.batch is not None:
+        return
+    if args.chat:
+        raise SpecforkError(
+            f"--chat applies the model's chat template, and {model.path.name} has none; "
+            "drop --chat to continue the prompt as plain text"
+        )
+    if args.system:
+        raise SpecforkError("--system needs chat mode, and this model has no chat template")
 
 
 def _check_single_flags(args: argparse.Namespace) -> None:

@@ -17,6 +17,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -229,7 +230,9 @@ def load_index(path: Path, folder: Path | None = None) -> GGUFIndex:
     index = read_index(stored_at, path) if stored_at is not None else None
     if index is not None:
         return index
+    started = time.perf_counter()
     index = GGUFIndex.from_reader(open_gguf(path), path)
+    log.info("parsed the GGUF header of %s in %.1f s", path.name, time.perf_counter() - started)
     if stored_at is not None:
         write_index(stored_at, index, path)
     return index

@@ -264,14 +264,6 @@ def load_eager(
     return model.eval().requires_grad_(False)
 
 
-def config_of(path: Path) -> ModelConfig:
-    """The ModelConfig of a .gguf file (its header, cached: `gguf_index`) or a checkpoint
-    folder (its config.json), read without the weights."""
-    if path.is_dir():
-        return st_loader.config_from_hf(st_loader.read_config(path))
-    return gguf_loader.config_from_gguf(load_index(path, cache_dir() / "weights"), path)
-
-
 def _skeleton(cfg: ModelConfig) -> DecoderLM:
     """The model with no storage allocated (weights are adopted by `load_weights`)."""
     with torch.device("meta"):

@@ -84,7 +84,7 @@ def export_head(spec: HeadExport) -> Path:
 
 def _target_config(target: str) -> ModelConfig:
     """The ModelConfig of a target model, read without loading its weights."""
-    from specfork.loading.loader import config_of
+    from specfork.loading.facts import config_of
     from specfork.loading.registry import resolve_model
 
     return config_of(resolve_model(target, progress=False))
