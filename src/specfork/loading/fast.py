@@ -20,7 +20,7 @@ import torch
 from specfork.config import ModelConfig
 from specfork.errors import ModelFormatError
 from specfork.kernels.pack import GGUF_KINDS, Kind, pack_float, pack_gguf
-from specfork.loading.dequant import _raw_bytes, dequantize
+from specfork.loading.dequant import _raw_bytes, check_supported, dequantize
 from specfork.loading.gguf import config_from_gguf
 from specfork.loading.gguf_index import GGUFIndex, load_index
 from specfork.loading.packed_cache import PackedWeights, packed_file
@@ -79,7 +79,9 @@ class _Reader:
 
     def linear(self, name: str) -> object:
         """The weight `name` [n, k] (and its bias, if any) as a kernels.Packed."""
-        t = self.tensors[name]
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelFormatError(f"the GGUF file of {self.cfg.name} has no tensor {name}")
         k, n = (int(d) for d in t.shape)
         bias = self._vector(name.removesuffix("weight") + "bias")
         if self.precision == "gguf" and t.tensor_type in GGUF_KINDS:
@@ -137,6 +139,8 @@ def load_gguf_fast(
     why = unsupported(index) if precision == "gguf" else None
     if why:
         raise ModelFormatError(f"{path.name} cannot run at --dtype gguf: {why}")
+    for t in index.entries:  # a block type no code here reads: named before any work
+        check_supported(t.tensor_type, t.name)
     r = _Reader(index, config_from_gguf(index, path), kernels, precision)
     model = _assemble(r, precision)
     if stored_at is not None:
