@@ -351,3 +351,17 @@ def test_chat_without_a_template_is_an_error_before_loading(
         open_model(str(plain), check=check, load=spy)
     assert spy.calls == []
     assert open_model(str(cached), check=check, load=spy) == "loaded"  # it has a template
+
+
+def test_specfork_cache_knows_the_entries(cached: Path, tmp_path: Path) -> None:
+    """`specfork cache` keeps a current index and prunes one of a changed file."""
+    from specfork.loading.cache_folder import entries
+
+    folder = tmp_path / "cache"
+    load_index(cached, folder / "weights")
+    (entry,) = entries(folder, None)
+    assert entry.part == "weights" and "-index-" in entry.path.name and entry.stale == ""
+    later = time.time() + 10
+    os.utime(cached, (later, later))
+    (entry,) = entries(folder, None)
+    assert "changed since" in entry.stale
