@@ -84,11 +84,16 @@ def test_load_model_keeps_the_packed_model_in_the_cache_folder(
     first = load_model(gguf, progress=False)
     assert first.model.describe().startswith("gguf ")
     (stored,) = (tmp_path / "weights").glob("model-packed-*.safetensors")
+    (index,) = (tmp_path / "weights").glob("model-index-*.safetensors")  # the GGUF's header
     again = load_model(gguf, progress=False)
     assert torch.equal(_logits(again.model), _logits(first.model))
-    assert [p.name for p in (tmp_path / "weights").iterdir()] == [stored.name]
-    bf16 = load_model(gguf, dtype="bfloat16", progress=False)  # another precision: not packed
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [index.name, stored.name]
+    bf16 = load_model(gguf, dtype="bfloat16", progress=False)  # another precision: its own pack
     assert bf16.model.describe().startswith("bfloat16")
+    (_packed_bf16,) = (tmp_path / "weights").glob("model-packed_bfloat16-*.safetensors")
+    bf16_again = load_model(gguf, dtype="bfloat16", progress=False)
+    assert torch.equal(_logits(bf16_again.model), _logits(bf16.model))
+    assert len(list((tmp_path / "weights").iterdir())) == 3
 
 
 def test_a_new_pack_replaces_the_old_one_of_the_same_file(gguf: Path, tmp_path: Path) -> None:

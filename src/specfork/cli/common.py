@@ -84,6 +84,9 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
     wanted = {"auto": None, "on": True, "off": False}[kernels]
     threads = getattr(args, "threads", AUTO)
     parse_threads(threads)  # a bad value fails before anything loads
+    from specfork.loading.loader import resolve_device
+
+    resolve_device(args.device)  # so does a device that is not here
     return {"dtype": args.dtype, "device": args.device, "kernels": wanted, "threads": threads}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from contextlib import nullcontext
@@ -38,6 +39,7 @@ MAX_RUNNING = 8
 if TYPE_CHECKING:
     from specfork.engine.lifecycle import GenerationResult
     from specfork.engine.logprobs import TokenLogprob
+    from specfork.loading.facts import ModelFacts
     from specfork.loading.tokenizer import Tokenizer
 
 
@@ -123,7 +125,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace, err: Console) -> int:
     from specfork.engine.generator import Generator
-    from specfork.loading.loader import load_model
+    from specfork.engine.preflight import open_model
 
     sampling = sampling_from_args(args)
     stops = tuple(unescape(s, "the stop string") for s in args.stop)
@@ -147,24 +149,21 @@ def run(args: argparse.Namespace, err: Console) -> int:
         prompt = _prompt(args)
         check_writable(args.trace, "trace file")
     status = err.status(f"loading {escape(args.model)}…", spinner="dots")
+    options = model_options(args)
     with status if not args.quiet else nullcontext():
-        loaded = load_model(args.model, progress=not args.quiet, **model_options(args))
+        loaded = open_model(
+            args.model,
+            spec,
+            check=functools.partial(_check_chat, args),
+            progress=not args.quiet,
+            **options,
+        )
     generator = Generator(loaded, spec=spec)
     if args.batch is not None:
         return run_batch(args, loaded, generator, config, sampling, err)
     has_template = loaded.tokenizer.chat_template is not None
     chat = args.chat if args.chat is not None else has_template
     messages: str | list[dict[str, str]] = prompt
-    if chat and not has_template:
-        raise SpecforkError(
-            f"{loaded.label} has no chat template (a base model continues text); drop --chat, "
-            "or give --no-chat"
-        )
-    if args.system and not chat:
-        raise SpecforkError(
-            f"--system needs chat mode, and {loaded.label} has no chat template; drop --system "
-            "and give the prompt as text to continue (--no-chat)"
-        )
     if chat:
         messages = [{"role": "user", "content": prompt}]
         if args.system:
@@ -214,6 +213,22 @@ def _warn_cut_structure(
         markup=False,
         highlight=False,
     )
+
+
+def _check_chat(args: argparse.Namespace, model: ModelFacts) -> None:
+    """--chat and --system need a chat template (checked before the model loads)."""
+    if model.has_chat_template or args.batch is not None:
+        return
+    if args.chat:
+        raise SpecforkError(
+            f"{model.path.name} has no chat template (a base model continues text); drop "
+            "--chat, or give --no-chat"
+        )
+    if args.system:
+        raise SpecforkError(
+            f"--system needs chat mode, and {model.path.name} has no chat template; drop "
+            "--system and give the prompt as text to continue (--no-chat)"
+        )
 
 
 def _check_single_flags(args: argparse.Namespace) -> None:

@@ -269,13 +269,9 @@ def _check_tensors(head: DraftHead, tensors: dict[str, torch.Tensor], folder: Pa
     )
 
 
-def load_head(folder: Path, target: ModelConfig, dtype: torch.dtype = torch.float32) -> DraftHead:
-    """A saved head, checked against `target`; ConfigError for a foreign, corrupt or partial
-    checkpoint (naming what is wrong)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
+def read_head_config(folder: Path, target: ModelConfig) -> HeadConfig:
+    """The config of the head saved in `folder`, checked against `target` without reading the
+    head's weights; ConfigError when it is no head or was made for another model."""
     if not (folder / "head.json").is_file() or not (folder / "head.safetensors").is_file():
         raise ConfigError(
             f"{folder} is not a draft head: it needs head.json and head.safetensors (written by "
@@ -283,10 +279,21 @@ def load_head(folder: Path, target: ModelConfig, dtype: torch.dtype = torch.floa
         )
     try:
         cfg = HeadConfig.from_dict(json.loads((folder / "head.json").read_text()))
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, OSError) as exc:
         where = folder / "head.json"
         raise ConfigError(f"the draft head config {where} is invalid: {exc}") from exc
     cfg.check_target(target, str(folder))
+    return cfg
+
+
+def load_head(folder: Path, target: ModelConfig, dtype: torch.dtype = torch.float32) -> DraftHead:
+    """A saved head, checked against `target`; ConfigError for a foreign, corrupt or partial
+    checkpoint (naming what is wrong)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg = read_head_config(folder, target)
     head = DraftHead(cfg)
     try:
         tensors = load_file(str(folder / "head.safetensors"))

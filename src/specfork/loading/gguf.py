@@ -11,13 +11,13 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 
 from specfork.config import ModelConfig, RopeConfig
 from specfork.errors import ModelFormatError
 from specfork.loading.dequant import check_supported, dequantize
+from specfork.loading.gguf_index import GGUFIndex
 
 log = logging.getLogger(__name__)
 
@@ -44,55 +44,23 @@ _TOP_NAMES = {
 }
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
-    """Open a GGUF file, turning read errors into a clear ModelFormatError."""
-    try:
-        return gguf.GGUFReader(path)
-    except OSError as exc:
-        raise ModelFormatError(f"{path} is not a readable GGUF file: {exc}") from exc
-    except (ValueError, IndexError) as exc:
-        version = _gguf_version(path)
-        if version in (2, 3):  # a GGUF this reader knows whose parts it cannot find: cut short
-            raise ModelFormatError(
-                f"{path} is not a readable GGUF file: it ends before the data its header "
-                f"describes ({path.stat().st_size:,} bytes), as when a download or copy is cut "
-                f"short, or it is corrupt; fetch or copy it again (the reader said: {exc})"
-            ) from exc
-        raise ModelFormatError(f"{path} is not a readable GGUF file: {exc}") from exc
-
-
-def _gguf_version(path: Path) -> int | None:
-    """The version a GGUF file's header gives (None: not a GGUF file, or no version)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if len(head) < 8 or head[:4] != b"GGUF":
-        return None
-    return int.from_bytes(head[4:], "little")
-
-
-def field_value(reader: gguf.GGUFReader, key: str, default: object = None) -> object:
-    """The value of metadata `key` (scalars, strings and arrays), or `default`."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
+def config_from_gguf(index: GGUFIndex, path: Path) -> ModelConfig:
     """Map GGUF metadata (and which tensors exist) to a ModelConfig."""
-    arch = str(field_value(reader, "general.architecture", ""))
+    arch = str(index.value("general.architecture", ""))
     if arch not in GGUF_ARCHS:
         raise ModelFormatError(
             f"{path.name}: GGUF architecture {arch!r} is not supported; "
             f"supported: {', '.join(GGUF_ARCHS)}"
         )
-    names = {t.name for t in reader.tensors}
+    names = index.names
 
     def get(key: str, default: object = None) -> object:
-        return field_value(reader, f"{arch}.{key}", default)
+        return index.value(f"{arch}.{key}", default)
 
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", hidden // heads))
-    vocab = get("vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens", []))
+    vocab = get("vocab_size") or index.length("tokenizer.ggml.tokens")
     n_layers = int(get("block_count"))
     common = {
         "vocab_size": int(vocab),
@@ -108,9 +76,9 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         "qkv_bias": "blk.0.attn_q.bias" in names,
         "o_bias": "blk.0.attn_output.bias" in names,
         "qk_norm": "blk.0.attn_q_norm.weight" in names,
-        "name": str(field_value(reader, "general.name", path.stem)),
+        "name": str(index.value("general.name", path.stem)),
     }
-    rope = _rope_from_gguf(reader, arch, get("rope.freq_base", 10000.0))
+    rope = _rope_from_gguf(index, arch, get("rope.freq_base", 10000.0))
     if arch != "gemma3":
         return ModelConfig(arch="llama", rope=rope, **common)
     window = int(get("attention.sliding_window", 512))
@@ -129,11 +97,11 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     )
 
 
-def _rope_from_gguf(reader: gguf.GGUFReader, arch: str, theta: object) -> RopeConfig:
-    kind = str(field_value(reader, f"{arch}.rope.scaling.type", "none"))
-    factor = float(field_value(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-    original = field_value(reader, f"{arch}.rope.scaling.original_context_length")
-    freq_factors = _rope_freq_factors(reader)
+def _rope_from_gguf(index: GGUFIndex, arch: str, theta: object) -> RopeConfig:
+    kind = str(index.value(f"{arch}.rope.scaling.type", "none"))
+    factor = float(index.value(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    original = index.value(f"{arch}.rope.scaling.original_context_length")
+    freq_factors = _rope_freq_factors(index)
     if kind in ("none", "") or factor == 1.0:
         return RopeConfig(theta=float(theta), freq_factors=freq_factors)
     if kind not in ("linear", "yarn"):
@@ -147,9 +115,11 @@ def _rope_from_gguf(reader: gguf.GGUFReader, arch: str, theta: object) -> RopeCo
     )
 
 
-def _rope_freq_factors(reader: gguf.GGUFReader) -> tuple[float, ...] | None:
+def _rope_freq_factors(index: GGUFIndex) -> tuple[float, ...] | None:
     """Llama 3.x GGUFs store their RoPE scaling as a per-frequency divisor tensor."""
-    for t in reader.tensors:
+    if "rope_freqs.weight" not in index.names:
+        return None
+    for t in index.tensors:
         if t.name == "rope_freqs.weight":
             return tuple(float(x) for x in np.asarray(t.data, dtype=np.float32).ravel())
     return None
@@ -169,13 +139,13 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def iter_tensors(
-    reader: gguf.GGUFReader, cfg: ModelConfig, dtype: torch.dtype
+    index: GGUFIndex, cfg: ModelConfig, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (transformers name, tensor in `dtype`) for every tensor the model needs."""
-    permuted = field_value(reader, "general.architecture") == "llama"
-    for t in reader.tensors:
+    permuted = index.value("general.architecture") == "llama"
+    for t in index.entries:
         check_supported(t.tensor_type, t.name)
-    for t in reader.tensors:
+    for t in index.tensors:
         name = hf_name(t.name)
         if cfg.arch == "gemma3" and t.name.endswith("ffn_norm.weight"):
             name = name.replace("post_attention_layernorm", "pre_feedforward_layernorm")

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-import gguf
 import torch
 
 from specfork.config import ModelConfig
@@ -21,6 +20,7 @@ from specfork.loading import fast as fast_loader
 from specfork.loading import gguf as gguf_loader
 from specfork.loading import safetensors as st_loader
 from specfork.loading import weight_cache
+from specfork.loading.gguf_index import GGUFIndex, load_index
 from specfork.loading.hub import hub_label
 from specfork.loading.registry import resolve_model
 from specfork.loading.tokenizer import Tokenizer
@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: What `--dtype` accepts besides "auto": the torch dtypes, and "gguf" (a GGUF's own blocks).
 PRECISIONS = (*DTYPES, "gguf")
-AUTO_GGUF = ("auto", "gguf")  # the --dtype values that read a GGUF for the kernels
 
 
 @dataclass
@@ -95,14 +94,14 @@ def resolve_precision(
     device: torch.device,
     path: Path,
     kernels: ModuleType | None,
-    reader: gguf.GGUFReader | None = None,
+    index: GGUFIndex | None = None,
 ) -> str:
     """The precision a model runs in: a `--dtype` value, or for 'auto' the fastest here.
 
     On the CPU with the kernels, a GGUF whose weights the kernels run as stored runs at its own
     precision ("gguf": llama.cpp's model and numerics, the fastest; docs/benchmarks.md);
-    anything else in bf16 where the CPU has bf16 dot products, else fp32. `reader`: the file
-    already opened (else it is opened here when needed).
+    anything else in bf16 where the CPU has bf16 dot products, else fp32. `index`: the file's
+    header already read (else it is read here when needed).
     """
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
@@ -116,7 +115,7 @@ def resolve_precision(
     if dtype != "auto":
         return dtype
     if kernels is not None and device.type == "cpu" and path.is_file():
-        why = fast_loader.unsupported(reader or gguf_loader.open_gguf(path))
+        why = fast_loader.unsupported(index or load_index(path, cache_dir() / "weights"))
         if why is None:
             return "gguf"
         log.info("%s runs in bfloat16/float32: %s", path.name, why)
@@ -197,26 +196,27 @@ def load_decoder(
     """The model of a .gguf file or a checkpoint folder, without its tokenizer.
 
     On the kernels (see `load_model`) unless they are off or unavailable; else eager PyTorch.
+    A GGUF's header is read once and kept in the cache folder (`gguf_index`), and a GGUF packed
+    for the kernels is read back from the cache (`packed_cache`): a second load of a file
+    parses neither its metadata nor its tensors.
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     module = kernels_for(dev, kernels)
-    # Parsing a GGUF's metadata (its vocabulary) is most of a load's time (~3.4 s for the
-    # default model on two cores): a model packed for the kernels before is read back from the
-    # cache without it, else the file is parsed once for the precision and the weights.
-    packed_in = cache_dir() / "weights"
-    wanted = module is not None and dev.type == "cpu" and path.is_file() and dtype in AUTO_GGUF
-    if wanted and fast_loader.is_packed(path, module, packed_in):
-        return fast_loader.load_gguf_fast(path, module, folder=packed_in)
-    reader = gguf_loader.open_gguf(path) if wanted else None
-    precision = resolve_precision(dtype, dev, path, module, reader)
-    if precision == "gguf":
-        if module is None:
-            raise ConfigError(
-                "--dtype gguf runs on specfork's compiled kernels, which are off "
-                "or not available here; use --dtype bfloat16 or float32"
-            )
-        return fast_loader.load_gguf_fast(path, module, reader, folder=packed_in)
-    on_kernels = module is not None and precision in ("bfloat16", "float32")
+    folder = cache_dir() / "weights"
+    index = load_index(path, folder) if path.is_file() else None
+    precision = resolve_precision(dtype, dev, path, module, index)
+    if precision == "gguf" and module is None:
+        raise ConfigError(
+            "--dtype gguf runs on specfork's compiled kernels, which are off "
+            "or not available here; use --dtype bfloat16 or float32"
+        )
+    on_kernels = module is not None and precision in fast_loader.FLOAT_KINDS
+    if on_kernels and index is not None:
+        why = fits_kernels(gguf_loader.config_from_gguf(index, path))
+        if why is None:
+            return fast_loader.load_gguf_fast(path, module, index, folder, precision)
+        log.info("%s runs on the eager path: %s", path.name, why)
+        return load_eager(path, DTYPES[precision], dev, index=index)
     model = load_eager(path, DTYPES[precision], dev, relayout=not on_kernels)
     if on_kernels:
         why = fits_kernels(model.config)
@@ -227,10 +227,17 @@ def load_decoder(
     return model
 
 
-def load_eager(path: Path, dt: torch.dtype, dev: torch.device, relayout: bool = True) -> DecoderLM:
+def load_eager(
+    path: Path,
+    dt: torch.dtype,
+    dev: torch.device,
+    relayout: bool = True,
+    index: GGUFIndex | None = None,
+) -> DecoderLM:
     """The eager PyTorch model (converted GGUF weights are cached, see `weight_cache`).
 
-    `relayout` stores the weights the way the eager CPU kernels run fastest.
+    `relayout` stores the weights the way the eager CPU kernels run fastest; `index`: a GGUF's
+    header already read.
     """
     if path.is_dir():
         cfg = st_loader.config_from_hf(st_loader.read_config(path))
@@ -238,7 +245,7 @@ def load_eager(path: Path, dt: torch.dtype, dev: torch.device, relayout: bool = 
         weights = model.from_hf_names(dict(st_loader.iter_tensors(path, dt)))
     else:
         cached_at = weight_cache.cache_file(cache_dir() / "weights", path, dt)
-        cfg, weights = weight_cache.read(cached_at) or _convert_gguf(path, dt)
+        cfg, weights = weight_cache.read(cached_at) or _convert_gguf(path, dt, index)
         model = _skeleton(cfg)
     try:
         model.load_weights({k: v.to(dev) for k, v in weights.items()}, assign=True)
@@ -263,8 +270,10 @@ def _skeleton(cfg: ModelConfig) -> DecoderLM:
         return build_model(cfg)
 
 
-def _convert_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    reader = gguf_loader.open_gguf(path)
-    cfg = gguf_loader.config_from_gguf(reader, path)
-    hf_named = dict(gguf_loader.iter_tensors(reader, cfg, dtype))
+def _convert_gguf(
+    path: Path, dtype: torch.dtype, index: GGUFIndex | None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    index = index or load_index(path, cache_dir() / "weights")
+    cfg = gguf_loader.config_from_gguf(index, path)
+    hf_named = dict(gguf_loader.iter_tensors(index, cfg, dtype))
     return cfg, _skeleton(cfg).from_hf_names(hf_named)

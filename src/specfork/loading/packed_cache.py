@@ -35,18 +35,32 @@ log = logging.getLogger(__name__)
 FORMAT = 1  # bump when the saved layout changes
 
 
-def packed_file(folder: Path, source: Path, kernels: ModuleType) -> Path:
-    """Where the packed model of the GGUF at `source` lives for these kernels."""
-    return packed_file_for(folder, source, kernels.__name__)
+def packed_file(folder: Path, source: Path, kernels: ModuleType, precision: str = "gguf") -> Path:
+    """Where the packed model of the GGUF at `source` lives for these kernels at `precision`
+    ("gguf": the file's own blocks; "bfloat16", "float32")."""
+    return packed_file_for(folder, source, kernels.__name__, precision)
 
 
-def packed_file_for(folder: Path, source: Path, build: str) -> Path:
+def packed_file_for(folder: Path, source: Path, build: str, precision: str = "gguf") -> Path:
     """`packed_file` for the kernels whose module is named `build` (loaded or not)."""
     code = hashlib.sha256()
     for module_file in (pack.__file__, Path(__file__).with_name("fast.py")):
         code.update(Path(module_file).read_bytes())
-    digest = source_digest(source, FORMAT, build, code.hexdigest())
-    return folder / f"{source.stem}-packed-{digest}.safetensors"
+    digest = source_digest(source, FORMAT, build, code.hexdigest(), precision)
+    return folder / f"{source.stem}-{packed_kind(precision)}-{digest}.safetensors"
+
+
+def packed_kind(precision: str) -> str:
+    """The kind a packed file's name gives: "packed" (the file's own blocks), else
+    "packed_bfloat16" / "packed_float32" (no glob of one kind matches another's names)."""
+    return "packed" if precision == "gguf" else f"packed_{precision}"
+
+
+def precision_of(kind: str) -> str | None:
+    """The precision of a packed file's kind (`packed_kind` inverted; None: not packed)."""
+    if kind == "packed":
+        return "gguf"
+    return kind.removeprefix("packed_") if kind.startswith("packed_") else None
 
 
 class PackedWeights:

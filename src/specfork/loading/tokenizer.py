@@ -387,6 +387,11 @@ def _folder_eos_ids(
     return ids
 
 
+def folder_chat_template(path: Path) -> str | None:
+    """The chat template of a tokenizer folder, read without building its tokenizer."""
+    return _folder_chat_template(path, _read_json(path / "tokenizer_config.json"))
+
+
 def _folder_chat_template(path: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
     """``chat_template.jinja`` if present (it wins, as in transformers), else the config's."""
     template_file = path / "chat_template.jinja"

@@ -34,13 +34,17 @@ def ngram_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) ->
 def self_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> Drafter:
     """The target's own layers: `self_layers` (early exit; default the first half), or every
     layer but `skip_layers`."""
-    n_layers = target.model.config.num_layers
+    layers = self_layers(spec, target.model.config.num_layers)
+    return ModelDrafter(target.model, layers=layers, name="self")
+
+
+def self_layers(spec: SpecConfig, n_layers: int) -> list[int]:
+    """The layers a self drafter runs of a target with `n_layers` (ConfigError when `spec`
+    names layers the target lacks)."""
     if spec.skip_layers:
         skipped = set(parse_layers(spec.skip_layers, n_layers))
-        layers = [i for i in range(n_layers) if i not in skipped]
-    else:
-        layers = parse_layers(spec.self_layers or f"0-{max(0, n_layers // 2 - 1)}", n_layers)
-    return ModelDrafter(target.model, layers=layers, name="self")
+        return [i for i in range(n_layers) if i not in skipped]
+    return parse_layers(spec.self_layers or f"0-{max(0, n_layers // 2 - 1)}", n_layers)
 
 
 def head_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> Drafter:
@@ -66,6 +70,7 @@ def head_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> 
 def model_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> Drafter:
     """A separate draft model at the source's PATH (a path, packaged name or Hub id; its
     tokenizer is not needed: it must share the target's)."""
+    from specfork.loading.facts import check_draft_vocabulary
     from specfork.loading.loader import load_decoder
     from specfork.loading.registry import resolve_model
 
@@ -80,12 +85,7 @@ def model_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) ->
             raise
         log.info("the draft model runs at its own precision (not %s: %s)", precision, exc)
         draft = load_decoder(path, dtype="auto", device=target.model.device)
-    v_target, v_draft = target.model.config.vocab_size, draft.config.vocab_size
-    if v_target != v_draft:
-        raise ConfigError(
-            f"the draft model's vocabulary ({v_draft} tokens) differs from the target's "
-            f"({v_target} tokens); a draft model must share the target's tokenizer"
-        )
+    check_draft_vocabulary(target.model.config, draft.config)
     cost = step_weights(draft) / step_weights(target.model)
     return ModelDrafter(draft, name="model", cost=cost)
 

@@ -84,14 +84,10 @@ def export_head(spec: HeadExport) -> Path:
 
 def _target_config(target: str) -> ModelConfig:
     """The ModelConfig of a target model, read without loading its weights."""
-    from specfork.loading import gguf as gguf_loader
-    from specfork.loading import safetensors as st_loader
+    from specfork.loading.facts import config_of
     from specfork.loading.registry import resolve_model
 
-    path = resolve_model(target, progress=False)
-    if path.is_dir():
-        return st_loader.config_from_hf(st_loader.read_config(path))
-    return gguf_loader.config_from_gguf(gguf_loader.open_gguf(path), path)
+    return config_of(resolve_model(target, progress=False))
 
 
 def read_head(folder: Path, target: ModelConfig | None) -> DraftHead:
