@@ -497,6 +497,13 @@ def run_benchmark(
             f"--turns all puts earlier answers in the context as chat messages, and the model "
             f"{settings.model} has no chat template; use --turns first"
         )
+    given_chat = [str(p.question_id) for p in settings.prompts if p.chat]
+    if given_chat and not chat:
+        raise ConfigError(
+            f"prompt(s) {', '.join(given_chat[:5])} are chat messages (a system prompt or "
+            f"'messages'), and the model {settings.model} has no chat template; give a chat "
+            "model or text prompts"
+        )
     suffix = settings.prompt_suffix
     prompts = [first_turn(generator, i, p, chat, suffix) for i, p in enumerate(settings.prompts)]
     context = min(generator.context, _longest(generator, prompts, settings, multi_turn))
@@ -590,10 +597,10 @@ def run_benchmark(
 def first_turn(
     generator: Any, index: int, prompt: BenchPrompt, chat: bool, suffix: str = ""
 ) -> PreparedPrompt:
-    """A prompt's first turn: its text (+ `suffix`) through the chat template (plain text
+    """A prompt's first turn: its messages (+ `suffix`) through the chat template (its text
     without one)."""
-    messages = [{"role": "user", "content": prompt.text + suffix}]
-    ids = generator.encode_prompt(prompt.text + suffix)
+    messages = prompt.first_messages(suffix)
+    ids = generator.encode_prompt(messages if chat else prompt.text + suffix, chat)
     return PreparedPrompt(index, prompt, ids, 1, messages, chat)
 
 

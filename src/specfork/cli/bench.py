@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from specfork.bench.prompt_file import FORMATS_HELP
 from specfork.bench.prompts import builtin_prompts, load_prompts, select_prompts
 from specfork.bench.quality import NEAR_TIE
 from specfork.bench.report import check_output_dir, print_tables, write_all
@@ -81,8 +82,7 @@ def add_parser(subparsers: Any) -> None:
         "--prompts",
         type=Path,
         default=None,
-        help='prompt file: Spec-Bench JSONL ({"turns": [...]}), JSONL of {"prompt": ...} or '
-        "plain text (one prompt a line); default: 12 built-in prompts",
+        help=f"prompt file ({FORMATS_HELP}); default: 12 built-in prompts",
     )
     p.add_argument(
         "--turns",

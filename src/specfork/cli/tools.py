@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from specfork.bench.prompt_file import FORMATS_HELP
 from specfork.cli.common import (
     add_model_flags,
     add_spec_flags,
@@ -25,10 +26,7 @@ from specfork.cli.common import (
 from specfork.config import GenerationConfig
 from specfork.errors import ConfigError, SpecforkError
 
-PROMPTS_HELP = (
-    'prompt file: Spec-Bench JSONL, JSONL of {"prompt": ...} or plain text (one prompt a line); '
-    "default: built-in prompts"
-)
+PROMPTS_HELP = f"prompt file ({FORMATS_HELP}; first turns); default: built-in prompts"
 
 
 def add_parser(sub: Any) -> None:
@@ -140,7 +138,7 @@ def run_calibrate(args: argparse.Namespace, err: Console) -> int:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     spec = spec_from_args(args, expected_length=args.max_new_tokens)
     prompts = load_prompts(args.prompts) if args.prompts else builtin_prompts()
-    texts = [p.text for p in select_prompts(prompts, limit=args.limit)]
+    texts = [p.first_prompt() for p in select_prompts(prompts, limit=args.limit)]
     with err.status(f"loading {escape(args.model)}…", spinner="dots"):
         loaded = load_model(args.model, **model_options(args))
     generator = Generator(loaded)
