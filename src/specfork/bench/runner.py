@@ -44,7 +44,12 @@ from specfork.bench.prompts import BenchPrompt
 from specfork.bench.quality import NEAR_TIE, target_logprob, top2_gap
 from specfork.bench.records import BenchStrategy, Measurement, PreparedPrompt, RunOutput
 from specfork.bench.specs import StrategySpec
-from specfork.bench.summary import per_prompt_figures, summarize, turns_of
+from specfork.bench.summary import (
+    per_prompt_figures,
+    summarize,
+    summarize_later_turns,
+    turns_of,
+)
 from specfork.checks import is_int
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.constraint import Constraint
@@ -416,6 +421,7 @@ class BenchResults:
     notes: list[str]
     model_path: str = ""
     summary_by_turn: dict[str, dict[str, dict[str, dict[str, Any]]]] | None = None
+    summary_later_turns: dict[str, dict[str, dict[str, Any]]] | None = None  # turns 2 and on
 
     @property
     def labels(self) -> list[str]:
@@ -446,6 +452,11 @@ class BenchResults:
             "per_prompt": self.per_prompt,
             "summary": self.summary,
             **({"summary_by_turn": self.summary_by_turn} if self.summary_by_turn else {}),
+            **(
+                {"summary_later_turns": self.summary_later_turns}
+                if self.summary_later_turns
+                else {}
+            ),
         }
 
 
@@ -569,11 +580,12 @@ def run_benchmark(
         text_labels=text_labels,
         seeded_labels=seeded_labels,
     )
-    by_turn = None
+    by_turn, later_turns = None, None
     if multi_turn:
         by_turn = {
             str(t): summarize(per_prompt, labels, categories, turn=t) for t in turns_of(per_prompt)
         }
+        later_turns = summarize_later_turns(per_prompt, labels, categories)
     machine = machine_info(
         loaded.model.precision, str(loaded.model.device), loaded.model.describe(), threads.threads
     )
@@ -591,6 +603,7 @@ def run_benchmark(
         notes=notes,
         model_path=str(loaded.path),
         summary_by_turn=by_turn,
+        summary_later_turns=later_turns,
     )
 
 
