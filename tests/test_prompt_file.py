@@ -191,3 +191,19 @@ def test_a_bad_line_is_the_same_error_in_every_command(
     code, out, err = run_cli(capsys, argv)
     assert code == 2 and out == "" and "Traceback" not in err
     assert re.search(r"bad\.jsonl:2: key\(s\) 'top_p' set how to generate", " ".join(err.split()))
+
+
+@pytest.mark.parametrize("command", ["bench", "calibrate"])
+def test_chat_prompts_need_a_chat_template(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    plain = tiny_chat_llama(tmp_path / "plain", chat=False)
+    path = _write(tmp_path / "chat.jsonl", ["text is fine", {"system": "s", "prompt": "hi"}])
+    model = ["-m", str(plain), "--dtype", "float32", "--device", "cpu", "-n", "2"]
+    argv = {
+        "bench": ["bench", *model, "--prompts", str(path), "-q", "-o", str(tmp_path / "out")],
+        "calibrate": ["calibrate", *model, "--prompts", str(path)],
+    }[command]
+    code, out, err = run_cli(capsys, argv)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert "prompt(s) 2 " in err and "no chat template" in " ".join(err.split()), err

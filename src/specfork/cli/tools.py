@@ -137,10 +137,18 @@ def run_calibrate(args: argparse.Namespace, err: Console) -> int:
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     spec = spec_from_args(args, expected_length=args.max_new_tokens)
-    prompts = load_prompts(args.prompts) if args.prompts else builtin_prompts()
-    texts = [p.first_prompt() for p in select_prompts(prompts, limit=args.limit)]
+    prompts = select_prompts(
+        load_prompts(args.prompts) if args.prompts else builtin_prompts(), limit=args.limit
+    )
+    texts = [p.first_prompt() for p in prompts]
     with err.status(f"loading {escape(args.model)}…", spinner="dots"):
         loaded = load_model(args.model, **model_options(args))
+    chat = [str(p.question_id) for p in prompts if p.chat]
+    if chat and loaded.tokenizer.chat_template is None:
+        raise ConfigError(
+            f"prompt(s) {', '.join(chat[:5])} of {args.prompts} are chat messages, and "
+            f"{args.model} has no chat template; give a chat model or text prompts"
+        )
     generator = Generator(loaded)
     with err.status("", spinner="dots") as status:
         result = calibrate(
