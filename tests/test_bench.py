@@ -137,7 +137,7 @@ def test_prompt_file_and_selection(tmp_path: Path) -> None:
     [
         (['{"turns": ["ok"]}', "{not json"], 2, "not valid JSON"),
         (['{"turns": ["ok"]}', "", '{"turns": []}'], 3, "non-empty list"),
-        (['["a list"]'], 1, "JSON object"),
+        (['["a list"]'], 1, "got a JSON list"),
         (['{"turns": ["ok"]}', '{"turns": [""]}'], 2, "non-empty string"),
         (['{"turns": ["ok"], "category": 5}'], 1, "'category'"),
         (['{"question": "no turns"}'], 1, "'turns'"),

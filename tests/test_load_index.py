@@ -338,7 +338,10 @@ def test_self_layers_the_model_lacks_are_an_error_before_loading(cached: Path) -
 
 @pytest.mark.parametrize(
     ("chat", "system", "message"),
-    [(True, None, "has no chat template .a base model continues text.; drop --chat"), (None, "Be brief.", "--system needs chat mode")],
+    [
+        (True, None, "has no chat template .a base model continues text.; drop --chat"),
+        (None, "Be brief.", "--system needs chat mode"),
+    ],
 )
 def test_chat_without_a_template_is_an_error_before_loading(
     cached: Path, tmp_path: Path, chat: bool | None, system: str | None, message: str

@@ -13,6 +13,7 @@ import pytest
 
 import specfork
 from cli_run import run_cli
+from specfork.bench.workloads import WORKLOADS
 from specfork.heads.packaged import shipped
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +61,7 @@ def test_wheel_and_sdist(tmp_path: Path) -> None:
         metadata = archive.read(f"specfork-{version}.dist-info/METADATA").decode()
     assert {f"specfork/kernels/csrc/{name}" for name in CSRC} <= names
     assert "specfork/cli/__init__.py" in names and "specfork/loading/hub.py" in names
+    assert {f"specfork/bench/workload_data/{w}.jsonl" for w in WORKLOADS} <= names
     assert f"specfork-{version}.dist-info/licenses/LICENSE" in names
     assert (
         "console_scripts"

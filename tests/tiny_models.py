@@ -49,11 +49,11 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def tiny_chat_llama(
-    folder: Path, chat: bool = True, seed: int = 0, eos_token_id: int = 257
+    folder: Path, chat: bool = True, seed: int = 0, eos_token_id: int = 257, context: int = 512
 ) -> Path:
     """A 2-layer random Llama checkpoint in `folder` (as transformers saves it: config.json,
     model.safetensors) with a byte-level tokenizer (no merges) and a ChatML chat template (none
-    with ``chat=False``): end-to-end tests run it in seconds."""
+    with ``chat=False``), `context` positions: end-to-end tests run it in seconds."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -77,7 +77,7 @@ def tiny_chat_llama(
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=context,
         eos_token_id=eos_token_id,
         bos_token_id=None,
         pad_token_id=256,

@@ -1,7 +1,10 @@
 """Side-by-side benchmarks of decoding strategies (`specfork bench`).
 
 - `specs`: the strategy-spec syntax (``strategy[:drafter][?key=value&...]``) → SpecConfig;
-- `prompts`: Spec-Bench JSONL files and a built-in prompt set;
+- `prompt_file`: the one prompt-file reader of every command (text, JSON strings, prompt,
+  Spec-Bench turns, chat messages);
+- `prompts`: selecting prompts, and a built-in prompt set;
+- `workloads`: the workloads shipped with specfork (multi-turn, agent, code-edit, rag);
 - `runner`: building the strategies, the warm-up and the interleaved measurements;
 - `records`: what one run produced, one measurement, the figures' names;
 - `quality`: greedy matches (near-tie rule), the target's log-probability of an output;
@@ -25,9 +28,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "BenchPrompt": "specfork.bench.prompts",
+    "BenchPrompt": "specfork.bench.prompt_file",
     "builtin_prompts": "specfork.bench.prompts",
-    "load_prompts": "specfork.bench.prompts",
+    "load_prompts": "specfork.bench.prompt_file",
     "select_prompts": "specfork.bench.prompts",
     "BenchResults": "specfork.bench.runner",
     "BenchSettings": "specfork.bench.runner",
@@ -35,6 +38,8 @@ _EXPORTS = {
     "StrategySpec": "specfork.bench.specs",
     "parse_strategies": "specfork.bench.specs",
     "parse_strategy": "specfork.bench.specs",
+    "WORKLOADS": "specfork.bench.workloads",
+    "workload_prompts": "specfork.bench.workloads",
 }
 
 __all__ = list(_EXPORTS)

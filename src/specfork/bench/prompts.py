@@ -1,95 +1,17 @@
-"""Benchmark prompts: prompt files and a small built-in set.
+"""Benchmark prompts: selecting from a prompt file, and a small built-in set.
 
-Three formats, one prompt a line (blank lines skipped):
-- Spec-Bench JSONL: ``{"question_id": ..., "category": ..., "turns": [first user message, ...]}``
-  (through the model's chat template; the first turn, or every turn with ``--turns all``);
-- JSONL with a ``prompt`` string instead of ``turns`` (``category`` and ``question_id``
-  optional);
-- plain text: each line is a prompt (category "text"). ``.jsonl``/``.json`` files are JSONL,
-  ``.txt`` files plain text, and a file of another name is JSONL when its first line starts
-  with ``{`` or ``[``.
-A malformed JSON line is a PromptError that names the file and line number.
+Prompt files are read by `specfork.bench.prompt_file` (the one reader of every command: plain
+text, JSON strings, ``{"prompt": ...}``, Spec-Bench's ``{"turns": [...]}`` and
+``{"messages": [...]}``); the workloads shipped with specfork by `specfork.bench.workloads`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
-from specfork.errors import PromptError
+from specfork.bench.prompt_file import BenchPrompt, load_prompts, parse_line
 
-
-@dataclass(frozen=True, slots=True)
-class BenchPrompt:
-    """One benchmark prompt: its id, task category, first-turn text and the user messages of
-    any later turns (Spec-Bench's multi-turn conversations)."""
-
-    question_id: str | int
-    category: str
-    text: str
-    later_turns: tuple[str, ...] = ()
-
-    @property
-    def turns(self) -> tuple[str, ...]:
-        """Every user message of the conversation, the first turn first."""
-        return (self.text, *self.later_turns)
-
-    def to_dict(self) -> dict:
-        out: dict = {"question_id": self.question_id, "category": self.category, "text": self.text}
-        if self.later_turns:
-            out["later_turns"] = list(self.later_turns)
-        return out
-
-
-def load_prompts(path: str | Path) -> list[BenchPrompt]:
-    """Every prompt of a Spec-Bench JSONL file, in file order."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PromptError(f"cannot read the prompt file {path}: {exc}") from exc
-    filled = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
-    if not filled:
-        raise PromptError(f"the prompt file {path} has no prompts (one prompt a line)")
-    suffix = path.suffix.lower()
-    json_lines = suffix in (".jsonl", ".json") or (
-        suffix != ".txt" and filled[0][1].lstrip().startswith(("{", "["))
-    )
-    if not json_lines:
-        return [BenchPrompt(number, "text", line.strip()) for number, line in filled]
-    return [parse_line(line, f"{path}:{number}", default_id=number) for number, line in filled]
-
-
-def parse_line(line: str, where: str, default_id: int = 0) -> BenchPrompt:
-    """One Spec-Bench line; errors start with `where` (``file:line``)."""
-    try:
-        row = json.loads(line)
-    except ValueError as exc:
-        raise PromptError(f"{where}: not valid JSON ({exc})") from exc
-    if not isinstance(row, dict):
-        raise PromptError(
-            f"{where}: expected a JSON object with 'turns' or 'prompt', got {type(row).__name__}"
-        )
-    turns = [row["prompt"]] if "prompt" in row and "turns" not in row else row.get("turns")
-    if not isinstance(turns, list) or not turns:
-        raise PromptError(
-            f"{where}: 'turns' must be a non-empty list of user messages "
-            "(or give 'prompt': a string)"
-        )
-    if not isinstance(turns[0], str) or not turns[0].strip():
-        raise PromptError(f"{where}: the prompt (first turn) must be a non-empty string")
-    for number, turn in enumerate(turns[1:], 2):
-        if not isinstance(turn, str) or not turn.strip():
-            raise PromptError(f"{where}: turn {number} must be a non-empty string")
-    category = row.get("category", "uncategorized")
-    if not isinstance(category, str) or not category.strip():
-        raise PromptError(f"{where}: 'category' must be a non-empty string")
-    qid = row.get("question_id", default_id)
-    if not isinstance(qid, (str, int)) or isinstance(qid, bool):
-        raise PromptError(f"{where}: 'question_id' must be a string or an integer")
-    return BenchPrompt(qid, category.strip(), turns[0], tuple(turns[1:]))
+__all__ = ["BenchPrompt", "builtin_prompts", "load_prompts", "parse_line", "select_prompts"]
 
 
 def select_prompts(

@@ -126,8 +126,8 @@ def print_tables(doc: Mapping[str, Any], console: Console) -> None:
     ]
     if _has_shares(doc):
         tables.append((_TIME_TITLE, SHARES, summary))
+    keys = (*_SPEED[:2], "mean_accepted_length", "greedy_match_rate")
     for turn, by_turn in turn_summaries(doc):
-        keys = (*_SPEED[:2], "mean_accepted_length", "greedy_match_rate")
         tables.append(
             (
                 f"turn {turn} (medians; speedup over {doc['reference']} on turn {turn})",
@@ -135,6 +135,9 @@ def print_tables(doc: Mapping[str, Any], console: Console) -> None:
                 by_turn,
             )
         )
+    if doc.get("summary_later_turns"):
+        title = f"later turns, 2 and on (medians; speedup over {doc['reference']} on each turn)"
+        tables.append((title, keys, doc["summary_later_turns"]))
     for title, keys, source in tables:
         table = Table(title=title)
         table.add_column("strategy", overflow="fold")
@@ -265,6 +268,19 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
     for turn, by_turn in turn_summaries(doc):
         lines += [f"## Turn {turn}", "", _overall_table(doc, by_turn), ""]
         lines += _category_tables(doc, by_turn, cats, f"turn {turn}: ", ("speedup",))
+    later = doc.get("summary_later_turns")
+    if later:
+        lines += [
+            "## Later turns (2 and on, together)",
+            "",
+            _LATER_TEXT,
+            "",
+            _overall_table(doc, later),
+            "",
+        ]
+        lines += _category_tables(
+            doc, later, cats, "later turns: ", ("speedup", "mean_accepted_length")
+        )
     lines += [
         "## Strategies",
         "",
@@ -285,6 +301,12 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
 
+
+_LATER_TEXT = (
+    "Every turn after the first, each against the reference's run of the same turn: the "
+    "context holds the conversation so far, the model's own earlier answers included (turn 1 "
+    "figures: the section of turn 1)."
+)
 
 _TIME_TEXT = (
     "draft: the policy's shape, the drafters and the goodput gate; prepare: trims, grammar "

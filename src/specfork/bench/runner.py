@@ -44,7 +44,12 @@ from specfork.bench.prompts import BenchPrompt
 from specfork.bench.quality import NEAR_TIE, target_logprob, top2_gap
 from specfork.bench.records import BenchStrategy, Measurement, PreparedPrompt, RunOutput
 from specfork.bench.specs import StrategySpec
-from specfork.bench.summary import per_prompt_figures, summarize, turns_of
+from specfork.bench.summary import (
+    per_prompt_figures,
+    summarize,
+    summarize_later_turns,
+    turns_of,
+)
 from specfork.checks import is_int
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.constraint import Constraint
@@ -416,6 +421,7 @@ class BenchResults:
     notes: list[str]
     model_path: str = ""
     summary_by_turn: dict[str, dict[str, dict[str, dict[str, Any]]]] | None = None
+    summary_later_turns: dict[str, dict[str, dict[str, Any]]] | None = None  # turns 2 and on
 
     @property
     def labels(self) -> list[str]:
@@ -446,6 +452,11 @@ class BenchResults:
             "per_prompt": self.per_prompt,
             "summary": self.summary,
             **({"summary_by_turn": self.summary_by_turn} if self.summary_by_turn else {}),
+            **(
+                {"summary_later_turns": self.summary_later_turns}
+                if self.summary_later_turns
+                else {}
+            ),
         }
 
 
@@ -496,6 +507,13 @@ def run_benchmark(
         raise ConfigError(
             f"--turns all puts earlier answers in the context as chat messages, and the model "
             f"{settings.model} has no chat template; use --turns first"
+        )
+    given_chat = [str(p.question_id) for p in settings.prompts if p.chat]
+    if given_chat and not chat:
+        raise ConfigError(
+            f"prompt(s) {', '.join(given_chat[:5])} are chat messages (a system prompt or "
+            f"'messages'), and the model {settings.model} has no chat template; give a chat "
+            "model or text prompts"
         )
     suffix = settings.prompt_suffix
     prompts = [first_turn(generator, i, p, chat, suffix) for i, p in enumerate(settings.prompts)]
@@ -562,11 +580,12 @@ def run_benchmark(
         text_labels=text_labels,
         seeded_labels=seeded_labels,
     )
-    by_turn = None
+    by_turn, later_turns = None, None
     if multi_turn:
         by_turn = {
             str(t): summarize(per_prompt, labels, categories, turn=t) for t in turns_of(per_prompt)
         }
+        later_turns = summarize_later_turns(per_prompt, labels, categories)
     machine = machine_info(
         loaded.model.precision, str(loaded.model.device), loaded.model.describe(), threads.threads
     )
@@ -584,16 +603,17 @@ def run_benchmark(
         notes=notes,
         model_path=str(loaded.path),
         summary_by_turn=by_turn,
+        summary_later_turns=later_turns,
     )
 
 
 def first_turn(
     generator: Any, index: int, prompt: BenchPrompt, chat: bool, suffix: str = ""
 ) -> PreparedPrompt:
-    """A prompt's first turn: its text (+ `suffix`) through the chat template (plain text
+    """A prompt's first turn: its messages (+ `suffix`) through the chat template (its text
     without one)."""
-    messages = [{"role": "user", "content": prompt.text + suffix}]
-    ids = generator.encode_prompt(prompt.text + suffix)
+    messages = prompt.first_messages(suffix)
+    ids = generator.encode_prompt(messages if chat else prompt.text + suffix, chat)
     return PreparedPrompt(index, prompt, ids, 1, messages, chat)
 
 

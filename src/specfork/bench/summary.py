@@ -139,6 +139,15 @@ def summarize(
     return out
 
 
+def summarize_later_turns(
+    rows: Sequence[Mapping[str, Any]], strategies: Sequence[str], categories: Sequence[str]
+) -> dict[str, dict[str, dict[str, Any]]] | None:
+    """`summarize` over every turn after the first together (each row against the reference's
+    run of the same turn); None when no row is of a later turn."""
+    later = [r for r in rows if r.get("turn", 1) > 1]
+    return summarize(later, strategies, categories) if later else None
+
+
 def _step_seconds(m: Measurement) -> float | None:
     """Seconds of one decoding step of a plain run: its decode time over its forwards."""
     o = m.output

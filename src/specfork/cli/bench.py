@@ -14,11 +14,13 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from specfork.bench.prompt_file import FORMATS_HELP
 from specfork.bench.prompts import builtin_prompts, load_prompts, select_prompts
 from specfork.bench.quality import NEAR_TIE
 from specfork.bench.report import check_output_dir, print_tables, write_all
 from specfork.bench.runner import TURNS, BenchSettings, run_benchmark
 from specfork.bench.specs import HF_METHODS, ensure_plain, parse_strategies, valid_options
+from specfork.bench.workloads import ALL, WORKLOADS, workload_names, workload_prompts
 from specfork.cli.common import (
     add_constraint_flags,
     add_model_flags,
@@ -55,6 +57,8 @@ examples:
   specfork bench --prompts specbench.jsonl --per-category 2 --repeats 3 --out bench-out \\
       --strategies 'ar,speculative:ngram?k=4&k_policy=heuristic,hf:prompt-lookup?k=10'
   specfork bench --prompts specbench.jsonl --turns all --strategies ar,dspark:ngram
+  specfork bench --workload all --per-category 4 -n 128 \\
+      --strategies 'ar,speculative:ngram?k=4,dspark:ngram,spork:recycle+ngram'
 
 outputs in --out: results.json.gz (gzip JSON: every measurement, the machine, the command),
 report.md, speedup.png, acceptance_by_position.png (and dspark_trace.png / fork_wins.png when the
@@ -77,20 +81,30 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_flags(p)
-    p.add_argument(
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
         "--prompts",
         type=Path,
         default=None,
-        help='prompt file: Spec-Bench JSONL ({"turns": [...]}), JSONL of {"prompt": ...} or '
-        "plain text (one prompt a line); default: 12 built-in prompts",
+        help=f"prompt file ({FORMATS_HELP}); default: 12 built-in prompts",
+    )
+    source.add_argument(
+        "--workload",
+        choices=(*WORKLOADS, ALL),
+        default=None,
+        help="a workload shipped with specfork instead of a prompt file: multi-turn chats, "
+        "agent tool calls, code edits, RAG over long documents, or all of them (each its own "
+        "category); every turn runs unless --turns first",
     )
     p.add_argument(
         "--turns",
         choices=TURNS,
-        default="first",
-        help="first: each prompt's first turn (default); all: every turn of a multi-turn "
-        "conversation, each later turn after plain decoding's (ar's) own earlier answers, the "
-        "same context for every strategy; figures per turn",
+        default=None,
+        help="first: each prompt's first turn (the default for --prompts); all: every turn of "
+        "a conversation (the default for --workload), each later turn after the model's own "
+        "earlier answers (plain decoding's, ar's: under greedy decoding every lossless "
+        "strategy's), the same context for every strategy; figures per turn and for the "
+        "later turns together",
     )
     p.add_argument("--per-category", type=int, default=None, help="first N prompts per category")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts in all")
@@ -135,10 +149,14 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.prompts is None:
+    if args.workload is not None:
+        names = ", ".join(workload_names(args.workload))
+        prompts, source = workload_prompts(args.workload), f"specfork's workloads ({names})"
+    elif args.prompts is None:
         prompts, source = builtin_prompts(), "the built-in set"
     else:
         prompts, source = load_prompts(args.prompts), str(args.prompts)
+    turns = args.turns or ("all" if args.workload is not None else "first")
     picked = select_prompts(prompts, args.per_category, args.limit)
     if not picked:
         raise PromptError(f"no prompts selected from {source}")
@@ -163,7 +181,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         prompt_suffix=args.prompt_suffix,
         prompts_source=source,
         notes=notes,
-        turns=args.turns,
+        turns=turns,
     )
 
 

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from specfork.bench.prompt_file import FORMATS_HELP
 from specfork.cli.batch_file import read_batch, run_batch
 from specfork.cli.common import (
     add_constraint_flags,
@@ -84,8 +85,8 @@ def add_parser(sub: Any) -> None:
         type=Path,
         default=None,
         metavar="FILE",
-        help='prompts, one JSON per line: a string, {"prompt": ...} or {"messages": [...]}; '
-        "results as JSON lines, in file order",
+        help=f"prompt file ({FORMATS_HELP}; a conversation's first turn); results as JSON "
+        "lines, in file order",
     )
     b.add_argument(
         "--max-running",

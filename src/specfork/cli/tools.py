@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from specfork.bench.prompt_file import FORMATS_HELP
 from specfork.cli.common import (
     add_model_flags,
     add_spec_flags,
@@ -26,10 +27,7 @@ from specfork.config import GenerationConfig
 from specfork.errors import ConfigError, SpecforkError
 
 MIN_CALIBRATION_ROUNDS = 200  # fewer drafting rounds: calibrate says its thresholds are rough
-PROMPTS_HELP = (
-    'prompt file: Spec-Bench JSONL, JSONL of {"prompt": ...} or plain text (one prompt a line); '
-    "default: built-in prompts"
-)
+PROMPTS_HELP = f"prompt file ({FORMATS_HELP}; first turns); default: built-in prompts"
 
 
 def add_parser(sub: Any) -> None:
@@ -140,10 +138,18 @@ def run_calibrate(args: argparse.Namespace, err: Console) -> int:
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     spec = spec_from_args(args, expected_length=args.max_new_tokens)
-    prompts = load_prompts(args.prompts) if args.prompts else builtin_prompts()
-    texts = [p.text for p in select_prompts(prompts, limit=args.limit)]
+    prompts = select_prompts(
+        load_prompts(args.prompts) if args.prompts else builtin_prompts(), limit=args.limit
+    )
+    texts = [p.first_prompt() for p in prompts]
     with err.status(f"loading {escape(args.model)}…", spinner="dots"):
         loaded = load_model(args.model, **model_options(args))
+    chat = [str(p.question_id) for p in prompts if p.chat]
+    if chat and loaded.tokenizer.chat_template is None:
+        raise ConfigError(
+            f"prompt(s) {', '.join(chat[:5])} of {args.prompts} are chat messages, and "
+            f"{args.model} has no chat template; give a chat model or text prompts"
+        )
     generator = Generator(loaded)
     with err.status("", spinner="dots") as status:
         result = calibrate(

@@ -42,8 +42,9 @@ def add_parser(sub: Any) -> None:
         "--prompts",
         type=Path,
         default=None,
-        help="user turns to answer instead of self-written ones: JSONL of {'prompt': ...} or "
-        "plain text, one a line (never Spec-Bench data)",
+        help="user turns to answer instead of self-written ones: a prompt file (the first "
+        "turn's text of each line: plain text, a JSON string, {'prompt': ...}, {'turns': "
+        "[...]} or {'messages': [...]}; never Spec-Bench data)",
     )
     d.add_argument(
         "--tasks",

@@ -42,13 +42,14 @@ class Calibration:
 
 def calibrate(
     generator: Generator,
-    prompts: Sequence[str],
+    prompts: Sequence[str | list[dict[str, str]]],
     spec: SpecConfig,
     k: int = 4,
     max_new_tokens: int = 128,
     progress: Callable[[int], None] | None = None,
 ) -> Calibration:
-    """Run `prompts` with a fixed K under `spec`'s drafter and suggest low/high."""
+    """Run `prompts` (texts or chat messages) with a fixed K under `spec`'s drafter and
+    suggest low/high."""
     if not prompts:
         raise ConfigError("calibration needs at least one prompt")
     # no goodput gate: it would trim or skip drafts by timed costs, and calibration measures
