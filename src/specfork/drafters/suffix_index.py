@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from specfork.checks import is_int
@@ -31,7 +31,7 @@ class SuffixLimits:
     """How much a `SuffixIndex` keeps: `max_tokens` indexed tokens over all sequences (the
     oldest trimmed first beyond it), substrings up to `depth` tokens (match + continuation)."""
 
-    max_tokens: int = 65536
+    max_tokens: int = 32768
     depth: int = 24
 
     def __post_init__(self) -> None:
@@ -63,34 +63,70 @@ class Snapshot:
 
 
 class _Node:
-    """A trie node: how often its substring occurs, and its children by next token."""
+    """A trie node: how often its substring occurs, and its children by next token. Most
+    nodes (deep in text seen once) have one child: it is held inline (`token`, `only`), and a
+    dict (`more`) only from the second child on — a quarter of the memory of a dict each."""
 
-    __slots__ = ("children", "count")
+    __slots__ = ("count", "more", "only", "token")
 
     def __init__(self) -> None:
         self.count = 0
-        self.children: dict[int, _Node] | None = None
+        self.token = -1  # the inline child's token
+        self.only: _Node | None = None  # the one child, when there is exactly one
+        self.more: dict[int, _Node] | None = None  # the children, when there are several
+
+    def get(self, token: int) -> _Node | None:
+        if self.only is not None:
+            return self.only if self.token == token else None
+        return None if self.more is None else self.more.get(token)
 
     def child(self, token: int) -> _Node:
         """The child for `token`, made if missing."""
-        if self.children is None:
-            self.children = {}
-        node = self.children.get(token)
+        node = self.get(token)
         if node is None:
-            node = self.children[token] = _Node()
+            node = _Node()
+            if self.only is None and self.more is None:
+                self.token, self.only = token, node
+            else:
+                if self.more is None:
+                    assert self.only is not None
+                    self.more, self.only, self.token = {self.token: self.only}, None, -1
+                self.more[token] = node
         return node
+
+    def remove(self, token: int) -> None:
+        if self.only is not None:
+            self.only, self.token = None, -1
+            return
+        assert self.more is not None
+        del self.more[token]
+        if len(self.more) == 1:
+            ((self.token, self.only),) = self.more.items()
+            self.more = None
+
+    def items(self) -> list[tuple[int, _Node]]:
+        """(token, child) of every child."""
+        if self.only is not None:
+            return [(self.token, self.only)]
+        return [] if self.more is None else list(self.more.items())
+
+    @property
+    def continued(self) -> bool:
+        """Whether it has children (its substring occurred followed by something)."""
+        return self.only is not None or self.more is not None
 
 
 class _Sequence:
-    """One indexed sequence: its tokens from `first` on are indexed; `open` holds the paths
-    (start position, deepest node) still shorter than the depth, oldest start first."""
+    """One indexed sequence: its tokens from `first` on are indexed; `open` holds the deepest
+    node of every path still shorter than the depth, oldest start first (they start at the
+    last len(open) positions)."""
 
     __slots__ = ("first", "open", "tokens")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.first = 0
-        self.open: deque[tuple[int, _Node]] = deque()
+        self.open: list[_Node] = []
 
     @property
     def kept(self) -> int:
@@ -136,19 +172,16 @@ class SuffixIndex:
 
     def _push(self, seq: _Sequence, token: int) -> None:
         """Index `token` at the end of `seq`: every open path grows by it, one path starts."""
-        position = len(seq.tokens)
         seq.tokens.append(token)
-        grown = deque()
-        for start, node in seq.open:
-            child = node.child(token)
+        paths = seq.open
+        for i, node in enumerate(paths):
+            child = paths[i] = node.child(token)
             child.count += 1
-            grown.append((start, child))
         child = self._root.child(token)
         child.count += 1
-        grown.append((position, child))
-        if position + 1 - grown[0][0] >= self.limits.depth:
-            grown.popleft()  # that path is full: `depth` tokens
-        seq.open = grown
+        paths.append(child)
+        if len(paths) >= self.limits.depth:
+            paths.pop(0)  # the oldest path is full: `depth` tokens
         self._tokens += 1
 
     def _fit(self) -> None:
@@ -164,23 +197,20 @@ class SuffixIndex:
         start = seq.first
         node = self._root
         for token in seq.tokens[start : start + self.limits.depth]:
-            assert node.children is not None
-            child = node.children[token]
+            child = node.get(token)
+            assert child is not None
             child.count -= 1
             if child.count == 0:  # only this path passed through it: drop its subtree
-                del node.children[token]
-                if not node.children:
-                    node.children = None
+                node.remove(token)
                 break
             node = child
-        if seq.open and seq.open[0][0] == start:
-            seq.open.popleft()
+        if seq.open and len(seq.tokens) - len(seq.open) == start:
+            seq.open.pop(0)  # that path was still open
         seq.first += 1
         self._tokens -= 1
         if seq.first > 1024 and seq.first * 2 > len(seq.tokens):  # drop the trimmed tokens
             shift = seq.first
             seq.tokens = seq.tokens[shift:]
-            seq.open = deque((s - shift, n) for s, n in seq.open)
             seq.first = 0
 
     # -- reading ----------------------------------------------------------------------------
@@ -216,7 +246,7 @@ class SuffixIndex:
         while low <= high:
             mid = (low + high) // 2
             node = self._walk(context[len(context) - mid :])
-            if node is not None and node.children:
+            if node is not None and node.continued:
                 low, found = mid + 1, node
             else:
                 high = mid - 1
@@ -225,9 +255,9 @@ class SuffixIndex:
     def _walk(self, tokens: list[int]) -> _Node | None:
         node: _Node | None = self._root
         for token in tokens:
-            if node is None or node.children is None:
+            if node is None:
                 return None
-            node = node.children.get(token)
+            node = node.get(token)
         return node
 
     def count(self, tokens: list[int]) -> int:
@@ -254,7 +284,7 @@ class SuffixIndex:
             while stack:
                 node = stack.pop()
                 total += 1
-                stack.extend(node.children.values() if node.children else ())
+                stack.extend(child for _, child in node.items())
             return total
 
     # -- snapshots --------------------------------------------------------------------------
@@ -281,9 +311,9 @@ class SuffixIndex:
 def _shares(node: _Node) -> list[tuple[float, int, _Node]]:
     """(probability, token, child) of `node`'s children, most probable first (ties: lower
     token id): a child's count over its siblings' total."""
-    assert node.children is not None
-    total = sum(c.count for c in node.children.values())
-    ranked = sorted(node.children.items(), key=lambda item: (-item[1].count, item[0]))
+    children = node.items()
+    total = sum(c.count for _, c in children)
+    ranked = sorted(children, key=lambda item: (-item[1].count, item[0]))
     return [(c.count / total, token, c) for token, c in ranked]
 
 
@@ -291,7 +321,7 @@ def _best_path(node: _Node, depth: int, min_prob: float, match: int) -> Proposal
     tokens: list[int] = []
     scores: list[float] = []
     score = 1.0
-    while len(tokens) < depth and node.children:
+    while len(tokens) < depth and node.continued:
         prob, token, node = _shares(node)[0]
         score *= prob
         if score < min_prob:
@@ -310,7 +340,7 @@ def _best_first(node: _Node, max_nodes: int, depth: int, min_prob: float, match:
 
     def push(below: _Node, parent: int, level: int, score: float) -> None:
         nonlocal order
-        for prob, token, child in _shares(below) if below.children else ():
+        for prob, token, child in _shares(below):
             heapq.heappush(heap, (-score * prob, order, level, parent, token, child))
             order += 1
 
