@@ -14,8 +14,11 @@ import torch
 
 from cli_run import run_cli
 from distribution import goodness_of_fit
+from specfork.bench import suffix_isolation
 from specfork.bench.prompts import BenchPrompt
 from specfork.bench.records import PreparedPrompt
+from specfork.bench.runner import BenchSettings, run_benchmark
+from specfork.bench.specs import parse_strategies
 from specfork.bench.suffix_isolation import TurnReset
 from specfork.cli import build_parser
 from specfork.cli.common import resolve_strategy, spec_from_args
@@ -371,6 +374,24 @@ def test_the_bench_resets_the_index_before_every_repeat_of_a_turn() -> None:
     index.open([1, 2, 5])
     reset.before_run(two)
     assert index.sequences() == [[1, 2, 4]]
+
+
+def test_a_bench_run_learns_across_prompts_but_not_across_repeats(tiny: LoadedModel) -> None:
+    """Prompt 2 repeats prompt 1's text: the suffix strategy drafts it from prompt 1's answer,
+    while each repeat of a prompt drafts as its first did (its index reset in between)."""
+    text = "seven eight nine ten"
+    prompts = [BenchPrompt(1, "qa", text), BenchPrompt(2, "qa", text)]
+    strategies = parse_strategies("ar,speculative:suffix?k=4&goodput=false")
+    settings = BenchSettings(strategies, prompts, max_new_tokens=N, repeats=2, warmup=1)
+    results = run_benchmark(settings, loaded=tiny, show_progress=False)
+    accepted = {
+        (m.prompt_index, m.repeat): m.output.accepted
+        for m in results.measurements
+        if m.strategy == "speculative:suffix?k=4&goodput=false" and m.output is not None
+    }
+    assert accepted[0, 0] == accepted[0, 1] and accepted[1, 0] == accepted[1, 1]
+    assert accepted[1, 0] > accepted[0, 0]
+    assert suffix_isolation.NOTE in results.notes
 
 
 def test_the_cli_and_the_server_objects_name_the_same_suffix_drafter() -> None:
