@@ -27,6 +27,7 @@ from specfork.drafters.base import DraftShape, Feedback
 from specfork.drafters.stores import DraftStores
 from specfork.drafters.suffix import SuffixDrafter, SuffixSettings
 from specfork.drafters.suffix_index import Proposal, SuffixIndex, SuffixLimits
+from specfork.engine.batch import generate_batch
 from specfork.engine.generator import Generator
 from specfork.errors import ConfigError
 from specfork.loading.loader import LoadedModel, load_model
@@ -277,6 +278,22 @@ def test_a_second_request_drafts_from_the_first(tiny: LoadedModel) -> None:
     assert fresh.stats.accepted == first.stats.accepted  # a fresh index: the same drafts
     assert second.stats.accepted > fresh.stats.accepted
     assert second.stats.target_forwards < fresh.stats.target_forwards
+
+
+def test_batched_requests_share_the_index_and_decode_as_plain(tiny: LoadedModel) -> None:
+    """Requests running together (the scheduler interleaves their rounds) each append to
+    their own sequence of the one index, and emit plain decoding's tokens."""
+    config = GenerationConfig(max_new_tokens=N, ignore_eos=True)
+    prompts = [PROMPT, "one two three", PROMPT, "seven eight nine ten"]
+    plain = [Generator(tiny, cost_curve=CURVE).generate(p, config=config) for p in prompts]
+    gen = Generator(tiny, spec=SPECS["speculative"], cost_curve=CURVE)
+    got = generate_batch(gen, prompts, config=config)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    assert sum(r.stats.accepted for r in got) > 0
+    held = gen.stores.suffix.sequences()
+    assert len(held) == len(prompts)
+    for seq, result in zip(held, got, strict=True):  # prompt + output, all but the last token
+        assert seq[-(N - 1) :] == result.token_ids[: N - 1]
 
 
 def test_strategies_of_one_generator_share_its_index(tiny: LoadedModel) -> None:
