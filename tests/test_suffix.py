@@ -6,11 +6,14 @@ when sampling), requests learning from earlier ones, the bench's per-turn reset,
 from __future__ import annotations
 
 import random
+import re
 import threading
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from cli_run import run_cli
 from distribution import goodness_of_fit
@@ -26,6 +29,7 @@ from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import DraftShape, Feedback
 from specfork.drafters.stores import DraftStores
 from specfork.drafters.suffix import SuffixDrafter, SuffixSettings
+from specfork.drafters.suffix_file import index_file, load_index, save_index
 from specfork.drafters.suffix_index import Proposal, SuffixIndex, SuffixLimits
 from specfork.engine.batch import generate_batch
 from specfork.engine.generator import Generator
@@ -373,7 +377,57 @@ def test_always_accepting_suffix_drafts_fails_the_same_test() -> None:
     assert goodness_of_fit(counts.flatten(), exact.flatten()) < 1e-3
 
 
-# ------------------------------------------------------------------------------ 5. front ends
+# ------------------------------------------------------------------------------ 5. kept on disk
+
+
+def test_a_saved_index_loads_back_within_the_budget(tmp_path: Path) -> None:
+    index = SuffixIndex()
+    index.open([1, 2, 3])
+    index.open([4, 5, 6, 7])
+    path = tmp_path / "suffix" / "m-suffix.safetensors"
+    assert save_index(index, path)
+    again = SuffixIndex()
+    assert load_index(again, path) and again.sequences() == [[1, 2, 3], [4, 5, 6, 7]]
+    _assert_exact(again)
+    small = SuffixIndex(SuffixLimits(max_tokens=5))
+    assert load_index(small, path) and small.sequences() == [[3], [4, 5, 6, 7]]  # the newest
+    assert save_index(SuffixIndex(), path) and load_index(again, path)
+    assert again.sequences() == []
+
+
+def test_a_missing_or_broken_file_leaves_the_index_as_it_was(tmp_path: Path) -> None:
+    index = SuffixIndex()
+    index.open([1, 2])
+    assert not load_index(index, tmp_path / "none.safetensors")
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not a safetensors file")
+    assert not load_index(index, broken)
+    other = tmp_path / "other.safetensors"
+    save_file({"tokens": torch.zeros(1), "lengths": torch.ones(1)}, other, {"format": "0"})
+    assert not load_index(index, other)
+    assert index.sequences() == [[1, 2]]
+
+
+def test_generate_keeps_the_index_between_runs(
+    tiny: LoadedModel, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--suffix-persist`: the second run starts from the first one's index (its file in the
+    cache folder holds both requests) and drafts the answer it wrote."""
+    monkeypatch.setenv("SPECFORK_CACHE_DIR", str(tmp_path))
+    argv = ["generate", "-m", str(tiny.path), "--strategy", "speculative", "--drafter"]
+    argv += ["suffix", "--no-goodput", "--suffix-persist", "-n", "24", "--ignore-eos", "--stats"]
+    argv += ["--kernels", "off", "--dtype", "float32"]  # nothing to build in the new cache folder
+    accepted = []
+    for _ in range(2):
+        code, _, err = run_cli(capsys, [*argv, "seven eight nine ten"])
+        assert code == 0, err
+        accepted.append(int(re.search(r"accepted: (\d+)", err).group(1)))
+    kept = load_index(held := SuffixIndex(), index_file(tmp_path / "suffix", tiny.path))
+    assert kept and len(held.sequences()) == 2
+    assert accepted[1] > accepted[0]
+
+
+# ------------------------------------------------------------------------------ 6. front ends
 
 
 def test_the_bench_resets_the_index_before_every_repeat_of_a_turn() -> None:
