@@ -18,7 +18,10 @@ PROMPT = "Repeat exactly: one two three, one two three, one two three."
 @pytest.mark.parametrize(
     ("flags", "words"),
     [
-        (["--drafter", "bogus"], ["unknown drafter", "ngram, self, head[:PATH], model:PATH"]),
+        (
+            ["--drafter", "bogus"],
+            ["unknown drafter", "ngram, suffix, self, head[:PATH], model:PATH"],
+        ),
         (["--k", "0"], ["k (draft length)", ">= 1"]),
         (["--self-layers", "0-5", "--skip-layers", "6-7", "--drafter", "self"], ["either"]),
         (["--max-ngram", "1", "--min-ngram", "2"], ["min_ngram"]),

@@ -31,6 +31,8 @@ TREE = strategy_kind("spork")
         ("recycle", TREE, [DraftSource("recycle")]),
         ("recycle+ngram", TREE, [DraftSource("recycle"), DraftSource("ngram")]),
         ("ngram+recycle", TREE, [DraftSource("ngram"), DraftSource("recycle")]),  # order kept
+        ("recycle+suffix", TREE, [DraftSource("recycle"), DraftSource("suffix")]),
+        ("ngram+suffix", CHAIN, [DraftSource("ngram"), DraftSource("suffix")]),
         ("model:a+model:b", CHAIN, [DraftSource("model", "a"), DraftSource("model", "b")]),
         ("head:a+head", TREE, [DraftSource("head", "a"), DraftSource("head")]),
         ("ngram", strategy_kind("ar"), [DraftSource("ngram")]),  # plain checks chain drafters
@@ -48,11 +50,11 @@ def test_head_with_an_empty_path_is_the_shipped_head() -> None:
 
 
 CHAIN_CHOICES = (
-    "choose one of ngram, self, head[:PATH], model:PATH, or several joined by '+' and asked in "
-    "order (e.g. ngram+head)"
+    "choose one of ngram, suffix, self, head[:PATH], model:PATH, or several joined by '+' and "
+    "asked in order (e.g. ngram+head)"
 )
 TREE_CHOICES = (
-    "use one or more of recycle, ngram, self, head[:PATH], model:PATH joined by '+', "
+    "use one or more of recycle, ngram, suffix, self, head[:PATH], model:PATH joined by '+', "
     "e.g. recycle+ngram"
 )
 
@@ -64,9 +66,15 @@ TREE_CHOICES = (
         ("Model:x", CHAIN, f"unknown drafter 'Model:x'; {CHAIN_CHOICES}"),
         ("", CHAIN, f"unknown drafter ''; {CHAIN_CHOICES}"),
         ("ngram+", CHAIN, f"unknown drafter ''; {CHAIN_CHOICES}"),
-        ("model", CHAIN, f"unknown drafter 'model'; {CHAIN_CHOICES}"),  # its PATH is required
-        ("model:", CHAIN, f"unknown drafter 'model:'; {CHAIN_CHOICES}"),
-        ("ngram:x", CHAIN, f"unknown drafter 'ngram:x'; {CHAIN_CHOICES}"),  # takes no PATH
+        ("model", CHAIN, "drafter 'model': model is written model:PATH (needs a PATH)"),
+        ("model:", CHAIN, "drafter 'model:': model is written model:PATH (needs a PATH)"),
+        ("ngram:x", CHAIN, "drafter 'ngram:x': ngram is written ngram (takes no PATH)"),
+        ("suffix:x", CHAIN, "drafter 'suffix:x': suffix is written suffix (takes no PATH)"),
+        (
+            "recycle+suffix:/a",
+            TREE,
+            "drafter 'suffix:/a': suffix is written suffix (takes no PATH)",
+        ),
         (
             "recycle",
             CHAIN,
@@ -79,7 +87,7 @@ TREE_CHOICES = (
         ),
         ("recycle+bogus", TREE, f"unknown spork drafter 'bogus'; {TREE_CHOICES}"),
         ("+", TREE, f"unknown spork drafter ''; {TREE_CHOICES}"),
-        ("recycle:x", TREE, f"unknown spork drafter 'recycle:x'; {TREE_CHOICES}"),
+        ("recycle:x", TREE, "drafter 'recycle:x': recycle is written recycle (takes no PATH)"),
         ("ngram+ngram", CHAIN, "drafter 'ngram+ngram' names a source twice; name each once"),
         (
             "recycle+ngram+recycle",

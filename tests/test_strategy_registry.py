@@ -22,6 +22,7 @@ from specfork.drafters.forks import ForkDrafter
 from specfork.drafters.head import HeadDrafter
 from specfork.drafters.model import ModelDrafter
 from specfork.drafters.ngram import NgramDrafter
+from specfork.drafters.suffix import SuffixDrafter
 from specfork.engine.generator import Generator
 from specfork.errors import ConfigError
 from specfork.heads.model import DraftHead, HeadConfig, save_head
@@ -59,7 +60,7 @@ def test_the_registry_and_the_catalog_name_the_same_entries() -> None:
         assert drafter_entry(kind.name).kind is kind
     chains = tuple(e.kind.usage for e in DRAFTERS.values() if e.kind.chain)
     trees = tuple(e.kind.usage for e in DRAFTERS.values() if e.kind.tree)
-    assert chains == config.DRAFTERS == ("ngram", "self", "head[:PATH]", "model:PATH")
+    assert chains == config.DRAFTERS == ("ngram", "suffix", "self", "head[:PATH]", "model:PATH")
     assert trees == config.SPORK_SOURCES == ("recycle", *config.DRAFTERS)
     assert config.STRATEGIES == ("ar", "speculative", "dspark", "spork")
     with pytest.raises(ConfigError, match="unknown strategy 'turbo'; choose one of ar, spec"):
@@ -143,6 +144,7 @@ def _spec(strategy: StrategyKind, kind: DrafterKind, folders: dict[str, Path]) -
 
 DRAFTER_TYPES = {
     "ngram": NgramDrafter,
+    "suffix": SuffixDrafter,
     "self": ModelDrafter,
     "head": HeadDrafter,
     "model": ModelDrafter,

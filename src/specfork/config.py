@@ -281,9 +281,9 @@ def _is_number(x: object) -> bool:
 
 STRATEGIES = STRATEGY_NAMES  # ar, speculative, dspark, spork (catalog.kinds)
 TREE_SHAPES = ("forks", "dynamic")
-SPORK_SOURCES = TREE_SOURCES  # recycle, ngram, self, head[:PATH], model:PATH
+SPORK_SOURCES = TREE_SOURCES  # recycle, ngram, suffix, self, head[:PATH], model:PATH
 POLICY_NAMES = ("constant", "heuristic", "linear-decay")
-DRAFTERS = CHAIN_DRAFTERS  # ngram, self, head[:PATH], model:PATH
+DRAFTERS = CHAIN_DRAFTERS  # ngram, suffix, self, head[:PATH], model:PATH
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,23 +291,24 @@ class SpecConfig:
     """Which decoding strategy runs and how it drafts.
 
     strategy "ar" is plain decoding. "speculative" drafts with `drafter`: "ngram" (prompt
-    lookup), "self" (the target's own layers: `self_layers` for early exit, e.g. "0-11", or
-    `skip_layers`), "head[:PATH]" (a trained draft head) or "model:PATH" (a separate draft
-    model sharing the target's vocabulary), or several joined by "+" (asked in order; the
-    first draft wins); `sources` is the drafter parsed (`catalog.sources`). `k` is the draft
-    length (the maximum for linear-decay); `k_policy` the draft-length policy.
+    lookup), "suffix" (a suffix index of this and earlier requests), "self" (the target's
+    own layers: `self_layers` for early exit, e.g. "0-11", or `skip_layers`), "head[:PATH]"
+    (a trained draft head) or "model:PATH" (a separate draft model sharing the target's
+    vocabulary), or several joined by "+" (asked in order; the first draft wins); `sources`
+    is the drafter parsed (`catalog.sources`). `k` is the draft length (the maximum for
+    linear-decay); `k_policy` the draft-length policy.
 
     "dspark" drafts with the same drafters but re-chooses K every round from a confidence
     C = (w_top1·top1 + w_margin·min(margin_scale·margin, 1) + w_ema·EMA) / Σw, mapped linearly
     from [low, high] onto [min_k, max_k] (see `specfork.strategies.dspark`).
 
     "spork" drafts a tree and verifies it in one pass (see `specfork.strategies.spork`):
-    `drafter` is one or more sources joined by "+" ("recycle", "ngram", "self", "head[:PATH]",
-    "model:PATH"); `tree` "forks" is `forks` forks × `depth` tokens, "dynamic" the `budget`
-    best nodes up to `depth` deep; nodes whose prior score is below `tau` are not verified;
-    forks, depth and tau adapt toward `target_acceptance` when `adapt`. `lossy_typical` swaps
-    exact verification for Medusa's typical acceptance (LOSSY: the output may differ from
-    plain decoding).
+    `drafter` is one or more sources joined by "+" ("recycle", "ngram", "suffix", "self",
+    "head[:PATH]", "model:PATH"); `tree` "forks" is `forks` forks × `depth` tokens,
+    "dynamic" the `budget` best nodes up to `depth` deep; nodes whose prior score is below
+    `tau` are not verified; forks, depth and tau adapt toward `target_acceptance` when
+    `adapt`. `lossy_typical` swaps exact verification for Medusa's typical acceptance (LOSSY:
+    the output may differ from plain decoding).
 
     `goodput` (chains: speculative and dspark) verifies only as much of each draft as its
     source's acceptance so far says will pay for the extra rows (see

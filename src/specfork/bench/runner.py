@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from specfork.bench import suffix_isolation
 from specfork.bench.machine import machine_info, peak_memory_mb, reset_peak_memory
 from specfork.bench.progress import LiveProgress
 from specfork.bench.prompts import BenchPrompt
@@ -676,12 +677,30 @@ def _build_strategies(
         spec = _with_expected_length(spec, settings.max_new_tokens)
         strategy = BenchStrategy(spec.label, "specfork", None, spec.describe())
         try:
+            if spec.spec.drafts_with("suffix"):  # an index of its own, reset per turn
+                strategy.run, strategy.takes_prompt = _suffix_runner(loaded, spec, config, sampling)
+                if suffix_isolation.NOTE not in notes:
+                    notes.append(suffix_isolation.NOTE)
+                out.append(strategy)
+                continue
             generator.use_strategy(spec.spec)  # builds (and checks) its drafter once
             strategy.run = specfork_runner(generator, spec, config, sampling)
         except Exception as exc:
             strategy.error = f"cannot build: {_describe(exc)}"
         out.append(strategy)
     return out
+
+
+def _suffix_runner(
+    loaded: Any, spec: StrategySpec, config: GenerationConfig, sampling: SamplingParams
+) -> tuple[Callable[[Any], RunOutput], bool]:
+    """A suffix-index strategy's runner: its own Generator, its index reset before every
+    repeat of a turn (`suffix_isolation`)."""
+    from specfork.engine.generator import Generator
+
+    own = Generator(loaded, spec=spec.spec)
+    run = specfork_runner(own, spec, config, sampling)
+    return suffix_isolation.isolated_runner(own.stores.suffix, run), True
 
 
 def _build_hf(

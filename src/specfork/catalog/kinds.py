@@ -105,6 +105,9 @@ STRATEGY_KINDS = (
 DRAFTER_KINDS = (
     DrafterKind("recycle", False, True, "none", "Token Recycling: the target's past top picks"),
     DrafterKind("ngram", True, True, "none", "prompt lookup"),
+    DrafterKind(
+        "suffix", True, True, "none", "SuffixDecoding: a suffix index of this and earlier requests"
+    ),
     DrafterKind("self", True, True, "none", "the target's own layers"),
     DrafterKind("head", True, True, "optional", "a trained draft head"),
     DrafterKind("model", True, True, "required", "a separate draft model"),

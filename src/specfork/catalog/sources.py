@@ -79,6 +79,9 @@ def _path_fits(kind: DrafterKind, mark: str, path: str) -> bool:
 
 
 def _unknown(text: str, kind: DrafterKind | None, strategy: StrategyKind) -> str:
+    if kind is not None and strategy.accepts(kind):  # a known source, its PATH wrong
+        takes = {"none": "takes no PATH", "required": "needs a PATH"}.get(kind.path, "")
+        return f"drafter {text!r}: {kind.name} is written {kind.usage} ({takes or 'PATH'})"
     if strategy.tree:
         return (
             f"unknown {strategy.name} drafter {text!r}; use one or more of "

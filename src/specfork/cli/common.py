@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specfork.catalog.kinds import STRATEGY_KINDS
 from specfork.config import STRATEGIES, SamplingParams, SpecConfig
@@ -27,6 +28,9 @@ from specfork.spec_schema import (
     implied_strategy,
 )
 from specfork.threads import AUTO, parse_threads
+
+if TYPE_CHECKING:
+    from specfork.drafters.suffix_index import SuffixIndex
 
 EXIT_USER_ERROR = 2
 GROUPS = {
@@ -88,6 +92,36 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
 
     resolve_device(args.device)  # so does a device that is not here
     return {"dtype": args.dtype, "device": args.device, "kernels": wanted, "threads": threads}
+
+
+def add_suffix_flags(p: argparse.ArgumentParser) -> None:
+    """--suffix-persist (generate, serve; never the bench, whose runs must not learn from
+    earlier processes)."""
+    p.add_argument(
+        "--suffix-persist",
+        action="store_true",
+        help="keep the suffix drafter's index (every request's prompt and output) between "
+        "runs: start from the one kept for this model in the cache folder (suffix/), save it "
+        "there at the end",
+    )
+
+
+@contextmanager
+def kept_suffix_index(args: argparse.Namespace, index: SuffixIndex, source: Path) -> Iterator[None]:
+    """With --suffix-persist: `index` starts from the file kept for the model at `source`,
+    and is saved there when the block ends (however it ends); without it, nothing."""
+    if not args.suffix_persist:
+        yield
+        return
+    from specfork.drafters.suffix_file import index_file, load_index, save_index
+    from specfork.host import cache_dir
+
+    path = index_file(cache_dir() / "suffix", source)
+    load_index(index, path)
+    try:
+        yield
+    finally:
+        save_index(index, path)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

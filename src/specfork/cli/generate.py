@@ -21,8 +21,10 @@ from specfork.cli.common import (
     add_model_flags,
     add_sampling_flags,
     add_spec_flags,
+    add_suffix_flags,
     check_writable,
     constraint_from_args,
+    kept_suffix_index,
     model_options,
     read_prompt,
     sampling_from_args,
@@ -38,9 +40,12 @@ from specfork.strategies.policies import make_policy
 MAX_RUNNING = 8
 
 if TYPE_CHECKING:
+    from specfork.config import SamplingParams
+    from specfork.engine.generator import Generator
     from specfork.engine.lifecycle import GenerationResult
     from specfork.engine.logprobs import TokenLogprob
     from specfork.loading.facts import ModelFacts
+    from specfork.loading.loader import LoadedModel
     from specfork.loading.tokenizer import Tokenizer
 
 
@@ -48,6 +53,7 @@ def add_parser(sub: Any) -> None:
     gen = sub.add_parser("generate", help="generate text from a prompt (stdout: the text only)")
     gen.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted or '-'")
     add_model_flags(gen)
+    add_suffix_flags(gen)
     gen.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -160,10 +166,23 @@ def run(args: argparse.Namespace, err: Console) -> int:
             **options,
         )
     generator = Generator(loaded, spec=spec)
-    if args.batch is not None:
-        return run_batch(args, loaded, generator, config, sampling, err)
-    has_template = loaded.tokenizer.chat_template is not None
-    chat = args.chat if args.chat is not None else has_template
+    with kept_suffix_index(args, generator.stores.suffix, loaded.path):
+        if args.batch is not None:
+            return run_batch(args, loaded, generator, config, sampling, err)
+        return _generate_one(args, loaded, generator, prompt, config, sampling, err)
+
+
+def _generate_one(
+    args: argparse.Namespace,
+    loaded: LoadedModel,
+    generator: Generator,
+    prompt: str,
+    config: GenerationConfig,
+    sampling: SamplingParams,
+    err: Console,
+) -> int:
+    """One prompt, streamed to stdout; the summary and statistics to stderr."""
+    chat = args.chat if args.chat is not None else loaded.tokenizer.chat_template is not None
     messages: str | list[dict[str, str]] = prompt
     if chat:
         messages = [{"role": "user", "content": prompt}]

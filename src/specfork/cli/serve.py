@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
-from specfork.cli.common import add_model_flags, add_spec_flags, model_options, spec_from_args
+from specfork.cli.common import (
+    add_model_flags,
+    add_spec_flags,
+    add_suffix_flags,
+    kept_suffix_index,
+    model_options,
+    spec_from_args,
+)
 from specfork.engine.thread import model_thread, run_in
 from specfork.errors import ConfigError, SpecforkError
 from specfork.server.run import bind_socket, require_server_packages
@@ -18,6 +25,8 @@ from specfork.server.security import WILDCARD_BINDS, default_allowed_hosts
 from specfork.threads import parse_threads
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from specfork.config import SpecConfig
     from specfork.engine.generator import Generator
 
@@ -30,6 +39,7 @@ def add_parser(subparsers: Any) -> None:
     """Add the `serve` command to the CLI's subparsers."""
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_model_flags(p)
+    add_suffix_flags(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
@@ -210,7 +220,7 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
     sock = bind_socket(args.host, args.port)
     thread = model_thread()  # loads, warms and runs the model: one thread, one OpenMP pool
     with err_console.status(f"loading {escape(args.model)}…", spinner="dots"):
-        generator = run_in(thread, _load_generator, args, spec)
+        generator, weights = run_in(thread, _load_generator, args, spec)
     app = create_app(
         generator,
         thread=thread,
@@ -232,12 +242,14 @@ def run(args: argparse.Namespace, err_console: Console) -> int:
     )
     level = "info" if getattr(args, "verbose", False) else "warning"
     server = draining_server(app, app.state.worker, log_level=level)
-    server.run(sockets=[sock])
+    with kept_suffix_index(args, generator.stores.suffix, weights):  # saved once drained
+        server.run(sockets=[sock])
     return 0
 
 
-def _load_generator(args: argparse.Namespace, spec: SpecConfig) -> Generator:
-    """Load the model and warm it up (on the model thread, which runs every request)."""
+def _load_generator(args: argparse.Namespace, spec: SpecConfig) -> tuple[Generator, Path]:
+    """Load the model and warm it up (on the model thread, which runs every request); the
+    Generator and the model's weights."""
     from specfork.engine.generator import Generator
     from specfork.loading.loader import load_model
 
@@ -246,4 +258,4 @@ def _load_generator(args: argparse.Namespace, spec: SpecConfig) -> Generator:
         loaded, spec=spec, max_context=args.max_context, max_strategies=SERVED_STRATEGIES
     )
     generator.warm_up()
-    return generator
+    return generator, loaded.path

@@ -18,6 +18,7 @@ import llguidance
 
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import Drafter, check_drafter, start
+from specfork.drafters.stores import DraftStores
 from specfork.engine.arguments import as_token_ids, check_arguments, check_kind, check_text
 from specfork.engine.batch import Scheduler
 from specfork.engine.grammar import GrammarState, grammar_tokenizer
@@ -80,7 +81,9 @@ class Generator:
     goodput gate assumes a forward of R rows costs (default: `model.cost_curve()`, measured
     once per model at the first request that needs it); a fixed curve makes draft lengths
     reproducible across processes. Strategies a request asks for (`spec=`) are built once and
-    kept: the `max_strategies` most recently used, the default strategy always.
+    kept: the `max_strategies` most recently used, the default strategy always. `stores` are
+    what drafters share across requests (the suffix index; default: new ones for this
+    Generator): every strategy it builds draws on them.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class Generator:
         prefill_chunk: int = 512,
         cost_curve: CostCurve | None = None,
         max_strategies: int = MAX_KEPT_STRATEGIES,
+        stores: DraftStores | None = None,
     ) -> None:
         check_arguments(loaded, spec, max_context, prefill_chunk, max_strategies)
         self.model = loaded.model
@@ -111,6 +115,9 @@ class Generator:
         self.max_strategies = max_strategies
         self.spec = spec or SpecConfig()
         self._check_k(self.spec)
+        if stores is not None and not isinstance(stores, DraftStores):
+            raise ConfigError(f"stores must be a DraftStores, got {type(stores).__name__}")
+        self.stores = stores or DraftStores()
         if drafter is not None:
             check_drafter(drafter, loaded.model.config.num_layers)
         if policy is not None:
@@ -119,7 +126,9 @@ class Generator:
             self.spec = SpecConfig("speculative", k=self.spec.k)
         built_drafter, built_policy = (None, None)
         if drafter is None or policy is None:
-            built_drafter, built_policy = build_strategy(self.spec, loaded, drafter is None)
+            built_drafter, built_policy = build_strategy(
+                self.spec, loaded, drafter is None, self.stores
+            )
         self.drafter = drafter or built_drafter
         self.policy = policy or built_policy
         self._loaded = loaded
@@ -267,7 +276,7 @@ class Generator:
             raise ConfigError(f"use_strategy takes a SpecConfig, got {type(spec).__name__}")
         if spec not in self._strategies:
             self._check_k(spec)
-            self._strategies[spec] = build_strategy(spec, self._loaded)
+            self._strategies[spec] = build_strategy(spec, self._loaded, stores=self.stores)
             others = [s for s in self._strategies if s not in (self.default_spec, spec)]
             if len(self._strategies) > self.max_strategies and others:
                 del self._strategies[others[0]]  # the least recently used

@@ -9,7 +9,8 @@ use and kept for later runs:
   metadata and tensor table, `gguf_index`), each file keyed by its source file's identity and
   naming that source in its metadata;
 - `kernels/`: one compiled build of the CPU kernels per sources, PyTorch, compiler and CPU;
-- `cost/`: measured cost curves of the goodput gate; `tokenizers/`, `recycle/`: small tables.
+- `cost/`: measured cost curves of the goodput gate; `tokenizers/`, `recycle/`: small tables;
+- `suffix/`: suffix indexes kept by `--suffix-persist` (one per weight file).
 
 `entries` lists them with their sizes and says which are stale — what `prune` removes:
 a kernel build other than this installation's (when it has a compiler to know its own), a
@@ -38,7 +39,7 @@ from specfork.models.cost_cache import MAX_AGE_DAYS
 
 log = logging.getLogger(__name__)
 
-PARTS = ("models", "weights", "kernels", "cost", "tokenizers", "recycle")
+PARTS = ("models", "weights", "kernels", "cost", "tokenizers", "recycle", "suffix")
 LEFTOVER_AGE = 3600.0  # seconds after which a temporary file or build folder is left over
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

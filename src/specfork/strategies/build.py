@@ -1,6 +1,8 @@
 """The drafter and policy a `SpecConfig` asks for, built through the registry: the strategy's
 policy builder, one drafter per source of its parsed drafter (several chain sources: a
-`FallbackDrafter` asking them in order; a tree strategy's sources: SPORK's `ForkDrafter`)."""
+`FallbackDrafter` asking them in order; a tree strategy's sources: SPORK's `ForkDrafter`).
+Drafters that learn across requests (the suffix index) draw on the `DraftStores` given: the
+Generator's own, so that all its strategies and requests share them."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from specfork.drafters.base import Drafter
 from specfork.drafters.fallback import FallbackDrafter
 from specfork.drafters.forks import RECYCLE_WIDTH, ForkDrafter
 from specfork.drafters.recycle_prior import PRIOR_CONTEXT, load_or_compute
+from specfork.drafters.stores import DraftStores
 from specfork.host import cache_dir
 from specfork.strategies.policies import DraftPolicy
 from specfork.strategies.registry import drafter_entry, strategy_entry
@@ -21,31 +24,37 @@ if TYPE_CHECKING:
 
 
 def build_strategy(
-    spec: SpecConfig, target: LoadedModel, with_drafter: bool = True
+    spec: SpecConfig,
+    target: LoadedModel,
+    with_drafter: bool = True,
+    stores: DraftStores | None = None,
 ) -> tuple[Drafter | None, DraftPolicy | None]:
     """The drafter and policy that `spec` asks for (None, None for plain decoding; no drafter
-    when `with_drafter` is false: the caller brings its own)."""
+    when `with_drafter` is false: the caller brings its own), drawing on `stores` (None: new
+    ones of its own)."""
     entry = strategy_entry(spec.strategy)
     if entry.policy is None:
         return None, None
     drafter: Drafter | None = None
     if with_drafter:
         build = build_fork_drafter if entry.kind.tree else build_drafter
-        drafter = build(spec, target)
+        drafter = build(spec, target, stores or DraftStores())
     return drafter, entry.policy(spec, drafter)
 
 
-def build_drafter(spec: SpecConfig, target: LoadedModel) -> Drafter:
+def build_drafter(spec: SpecConfig, target: LoadedModel, stores: DraftStores) -> Drafter:
     """A chain drafter for `target` from `spec.sources` (several: a `FallbackDrafter` asking
     them in order)."""
-    drafters = [build_source(source, spec, target) for source in spec.sources]
+    drafters = [build_source(source, spec, target, stores) for source in spec.sources]
     return drafters[0] if len(drafters) == 1 else FallbackDrafter(drafters)
 
 
-def build_fork_drafter(spec: SpecConfig, target: LoadedModel) -> ForkDrafter:
+def build_fork_drafter(spec: SpecConfig, target: LoadedModel, stores: DraftStores) -> ForkDrafter:
     """SPORK's tree drafter: the recycle table (if a source) and the other sources' drafters,
     by their names in the drafter string."""
-    chains = {str(s): build_source(s, spec, target) for s in spec.sources if s.kind != "recycle"}
+    chains = {
+        str(s): build_source(s, spec, target, stores) for s in spec.sources if s.kind != "recycle"
+    }
     recycle = spec.drafts_with("recycle")
     prior = None
     if recycle and spec.recycle_prior:
@@ -58,9 +67,11 @@ def build_fork_drafter(spec: SpecConfig, target: LoadedModel) -> ForkDrafter:
     )
 
 
-def build_source(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> Drafter:
+def build_source(
+    source: DraftSource, spec: SpecConfig, target: LoadedModel, stores: DraftStores
+) -> Drafter:
     """The drafter of one source, by its kind's builder in the registry."""
     build = drafter_entry(source.kind).build
     if build is None:
         raise ValueError(f"{source} is no drafter of its own (SPORK's fork drafter holds it)")
-    return build(source, spec, target)
+    return build(source, spec, target, stores)

@@ -13,6 +13,8 @@ from specfork.config import SpecConfig
 from specfork.drafters.base import Drafter
 from specfork.drafters.model import ModelDrafter, parse_layers, step_weights
 from specfork.drafters.ngram import NgramDrafter
+from specfork.drafters.stores import DraftStores
+from specfork.drafters.suffix import SuffixDrafter
 from specfork.errors import ConfigError, ModelFormatError
 from specfork.strategies.dspark import DSparkPolicy
 from specfork.strategies.policies import DraftPolicy, make_policy
@@ -23,15 +25,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# -- drafters: (source, spec, target) -> Drafter
+# -- drafters: (source, spec, target, the Generator's shared stores) -> Drafter
 
 
-def ngram_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> Drafter:
+def ngram_drafter(
+    source: DraftSource, spec: SpecConfig, target: LoadedModel, stores: DraftStores
+) -> Drafter:
     """Prompt lookup over the request's own history."""
     return NgramDrafter(spec.max_ngram, spec.min_ngram)
 
 
-def self_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> Drafter:
+def suffix_drafter(
+    source: DraftSource, spec: SpecConfig, target: LoadedModel, stores: DraftStores
+) -> Drafter:
+    """SuffixDecoding over the Generator's shared suffix index (every request's text)."""
+    return SuffixDrafter(stores.suffix)
+
+
+def self_drafter(
+    source: DraftSource, spec: SpecConfig, target: LoadedModel, stores: DraftStores
+) -> Drafter:
     """The target's own layers: `self_layers` (early exit; default the first half), or every
     layer but `skip_layers`."""
     layers = self_layers(spec, target.model.config.num_layers)
@@ -47,7 +60,9 @@ def self_layers(spec: SpecConfig, n_layers: int) -> list[int]:
     return parse_layers(spec.self_layers or f"0-{max(0, n_layers // 2 - 1)}", n_layers)
 
 
-def head_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> Drafter:
+def head_drafter(
+    source: DraftSource, spec: SpecConfig, target: LoadedModel, stores: DraftStores
+) -> Drafter:
     """A trained draft head (`specfork train-head`): at the source's PATH, or the one shipped
     for the target."""
     from specfork.drafters.head import HeadDrafter
@@ -67,7 +82,9 @@ def head_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> 
     return HeadDrafter(head, target.model, cost=cost, meter=meter)
 
 
-def model_drafter(source: DraftSource, spec: SpecConfig, target: LoadedModel) -> Drafter:
+def model_drafter(
+    source: DraftSource, spec: SpecConfig, target: LoadedModel, stores: DraftStores
+) -> Drafter:
     """A separate draft model at the source's PATH (a path, packaged name or Hub id; its
     tokenizer is not needed: it must share the target's)."""
     from specfork.loading.facts import check_draft_vocabulary

@@ -17,6 +17,7 @@ from specfork.catalog.kinds import DrafterKind, StrategyKind, drafter_kind, stra
 from specfork.catalog.sources import DraftSource
 from specfork.config import SpecConfig
 from specfork.drafters.base import Drafter
+from specfork.drafters.stores import DraftStores
 from specfork.errors import ConfigError
 from specfork.strategies import bound, builders
 from specfork.strategies.policies import DraftPolicy
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 Bound = Callable[[SpecConfig], tuple[int, str]]
 PolicyBuilder = Callable[[SpecConfig, Drafter | None], DraftPolicy]
-DrafterBuilder = Callable[[DraftSource, SpecConfig, "LoadedModel"], Drafter]
+DrafterBuilder = Callable[[DraftSource, SpecConfig, "LoadedModel", DraftStores], Drafter]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,7 @@ DRAFTERS: dict[str, DrafterEntry] = {
     for e in (
         _drafter("recycle", None),
         _drafter("ngram", builders.ngram_drafter),
+        _drafter("suffix", builders.suffix_drafter),
         _drafter("self", builders.self_drafter),
         _drafter("head", builders.head_drafter),
         _drafter("model", builders.model_drafter),

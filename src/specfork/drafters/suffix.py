@@ -1,0 +1,128 @@
+"""SuffixDecoding (Oliaro et al. 2025; vLLM's `suffix` method): draft from a suffix index over
+this request's prompt and output and every earlier request's.
+
+Each request's drafter (`begin`) opens a sequence in the shared `SuffixIndex` with its prompt
+and appends what the target commits (the accepted tokens of every round, and anything of the
+history it has not seen when it drafts), so later requests draft from it too. A round matches
+the history's longest suffix that occurred followed by something and proposes what followed,
+scored by frequency: a chain along the most frequent continuation (speculative, dspark), or a
+tree of the most probable continuations where earlier text went on differently (a SPORK
+source). A longer match drafts deeper: at most ⌈`spec_factor` · match⌉ tokens, within the
+policy's shape. Proposals are deterministic (q = None), verified as one-hot q like n-gram's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specfork.config import SamplingParams
+from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback
+from specfork.drafters.suffix_index import SuffixIndex
+from specfork.errors import ConfigError
+from specfork.tree import Tree
+
+#: history tokens checked against the indexed ones before appending: a history that does not
+#: continue the request's sequence (another conversation) opens a new one
+_CHECKED_TAIL = 16
+#: match lengths that share acceptance statistics in the goodput gate (suffix-1 … suffix-8)
+_MATCH_BUCKETS = (8, 4, 3, 2, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class SuffixSettings:
+    """How a suffix drafter drafts: suffixes up to `max_match` tokens are matched; a match of
+    m tokens drafts at most ⌈`spec_factor` · m⌉ tokens deep; nodes whose path probability is
+    below `min_prob` are not proposed (SuffixDecoding's defaults: factor 1, probability 0.1)."""
+
+    max_match: int = 12
+    spec_factor: float = 1.0
+    min_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_match, int) or self.max_match < 1:
+            raise ConfigError(f"suffix max_match must be an integer >= 1, got {self.max_match}")
+        if not self.spec_factor > 0:
+            raise ConfigError(f"suffix spec_factor must be > 0, got {self.spec_factor}")
+        if not 0 <= self.min_prob <= 1:
+            raise ConfigError(f"suffix min_prob must be in [0, 1], got {self.min_prob}")
+
+
+class SuffixDrafter:
+    """Drafts from a shared `SuffixIndex` (see the module docstring); no model, no cost."""
+
+    name = "suffix"
+    cost = 0.0
+    wants_logits = False
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, index: SuffixIndex, settings: SuffixSettings | None = None) -> None:
+        self.index = index
+        self.settings = settings or SuffixSettings()
+        self._sequence: int | None = None  # this request's sequence in the index
+        self._indexed: list[int] = []  # the history indexed so far (its last tokens checked)
+        self._length = 0  # tokens of the history indexed
+
+    def begin(self, prompt_ids: list[int]) -> SuffixDrafter:
+        """A request's drafter: its prompt opens a sequence in the shared index."""
+        drafter = SuffixDrafter(self.index, self.settings)
+        drafter._open(list(prompt_ids))
+        return drafter
+
+    def propose(
+        self, history: list[int], shape: DraftShape, sampling: SamplingParams, rng: torch.Generator
+    ) -> Draft:
+        """The index's continuations of `history`: a chain for a chain shape, else a tree of
+        at most `shape.max_nodes` nodes (prior score: the path's probability)."""
+        self._sync(history)
+        if shape.depth < 1 or shape.max_nodes < 1:
+            return EMPTY_DRAFT
+        s = self.settings
+        found = self.index.propose(
+            history,
+            max_match=s.max_match,
+            max_nodes=shape.max_nodes,
+            max_depth=shape.depth,
+            spec_factor=s.spec_factor,
+            min_prob=s.min_prob,
+            chain=shape.kind == "chain",
+        )
+        if not found.tokens:
+            return EMPTY_DRAFT
+        scores = torch.tensor(found.scores, dtype=torch.float64)  # [N]
+        source = f"suffix-{next(b for b in _MATCH_BUCKETS if found.match >= b)}"
+        return Draft(Tree(found.tokens, found.parents), None, scores, 0, source)
+
+    def observe(self, feedback: Feedback) -> None:
+        """Index a round's root and accepted tokens (history positions committed − a − 1 …
+        committed − 1), so the request's output is indexed up to its last round."""
+        if feedback.prompt or self._sequence is None:
+            return
+        rows = feedback.tokens[feedback.kept_rows].tolist()  # root, accepted tokens
+        start = feedback.committed - len(rows)
+        if start <= self._length < feedback.committed:
+            self._append(rows[self._length - start :])
+
+    def _open(self, tokens: list[int]) -> None:
+        self._sequence = self.index.open(tokens)
+        self._length = len(tokens)
+        self._indexed = tokens[-_CHECKED_TAIL:]
+
+    def _append(self, tokens: list[int]) -> None:
+        assert self._sequence is not None
+        self.index.extend(self._sequence, tokens)
+        self._length += len(tokens)
+        self._indexed = (self._indexed + tokens)[-_CHECKED_TAIL:]
+
+    def _sync(self, history: list[int]) -> None:
+        """Append what `history` adds to the indexed tokens; a history that does not continue
+        them opens a new sequence."""
+        n = len(self._indexed)
+        continues = len(history) >= self._length and (
+            history[self._length - n : self._length] == self._indexed
+        )
+        if self._sequence is None or not continues:
+            self._open(list(history))
+        elif len(history) > self._length:
+            self._append(history[self._length :])
