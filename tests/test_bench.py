@@ -630,6 +630,12 @@ def test_dspark_and_fork_plots_from_round_dicts(tmp_path: Path) -> None:
     assert {p.name for p in written["plots"]} == set(PLOT_FILES.values())
     assert all(p.stat().st_size > 1000 for p in written["plots"])
     assert "dspark_trace.png" in written["report"].read_text()
+    # a later run into the same folder without DSpark or forks: their old plots go
+    doc["measurements"] = [measurement("dspark:ngram", rounds(lambda i: {}))]
+    doc["strategies"] = doc["strategies"][:1]
+    rewritten = {p.name for p in write_all(doc, tmp_path)["plots"]}
+    assert "dspark_trace.png" not in rewritten and "fork_wins.png" not in rewritten
+    assert {p.name for p in tmp_path.glob("*.png")} == rewritten
 
 
 def test_help_documents_the_spec_syntax(capsys) -> None:
@@ -675,3 +681,10 @@ def test_results_are_gzip_and_old_plain_files_still_read(tmp_path: Path) -> None
         load_results(tmp_path / "other.json")
     with pytest.raises(ConfigError, match="cannot read the results file"):
         load_results(tmp_path / "missing.json")
+
+
+def test_identical_acceptance_curves_are_one_labelled_line() -> None:
+    from specfork.bench.report import _merge_identical
+
+    curves = {"a": [0.5, 0.25], "b": [0.5, 0.25], "c": [0.5, float("nan")]}
+    assert _merge_identical(curves) == {"a = b": [0.5, 0.25], "c": curves["c"]}

@@ -383,6 +383,23 @@ def test_unknown_name_lists_the_packaged_models() -> None:
     assert "Hugging Face checkpoint folder" in message
 
 
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("smollm2", "smollm2-135m-instruct"),
+        ("SmolLM2", "smollm2-135m-instruct"),
+        ("gema3-270m", "gemma3-270m"),
+        ("gemma3", "gemma3-270m"),
+        ("llama-9000", None),
+    ],
+)
+def test_a_near_miss_names_the_model_meant(typed: str, meant: str | None) -> None:
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model(typed, fetch=refuse_fetch)
+    hint = f"(did you mean {meant!r}?)"
+    assert (hint in str(info.value)) if meant else "did you mean" not in str(info.value)
+
+
 def test_missing_path_is_reported_as_such(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="no such file or folder"):
         resolve_model(str(tmp_path / "nope.gguf"), fetch=refuse_fetch)

@@ -425,6 +425,10 @@ def write_plots(doc: Mapping[str, Any], out: Path) -> list[Path]:
         path = make(doc, out)
         if path is not None:
             written.append(path)
+    for name in PLOT_FILES.values():  # an earlier run's plot this run has no data for
+        stale = out / name
+        if stale not in written and stale.is_file():
+            stale.unlink()
     return written
 
 
@@ -486,7 +490,7 @@ def _plot_acceptance(doc: Mapping[str, Any], out: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(8.0, 4.2))
     markers = "osD^v<>pX*h"
-    for n, (label, ys) in enumerate(curves.items()):
+    for n, (label, ys) in enumerate(_merge_identical(curves).items()):
         ax.plot(
             range(1, len(ys) + 1),
             ys,
@@ -501,6 +505,16 @@ def _plot_acceptance(doc: Mapping[str, Any], out: Path) -> Path | None:
     ax.set_title("Acceptance by draft position")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, out / PLOT_FILES["acceptance"])
+
+
+def _merge_identical(curves: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Curves with the same values as one line labelled "a = b" (one drawn over the other
+    would hide it)."""
+    merged: dict[tuple[str, ...], tuple[list[str], list[float]]] = {}
+    for label, ys in curves.items():
+        key = tuple(f"{y:.6f}" for y in ys)
+        merged.setdefault(key, ([], ys))[0].append(label)
+    return {" = ".join(labels): ys for labels, ys in merged.values()}
 
 
 def _rounds_by_strategy(doc: Mapping[str, Any], keys: Sequence[str]) -> dict[str, list[dict]]:

@@ -14,6 +14,7 @@ remembered with a small ``<file>.sha256-ok`` marker, so that later lookups only 
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import logging
@@ -559,7 +560,18 @@ def resolve_model(
     looks_like_path = os.sep in text or text.startswith(("~", ".")) or text.endswith(".gguf")
     if looks_like_path:
         raise ModelNotFoundError(f"no such file or folder: {path}; {_choices(registry)}")
-    raise ModelNotFoundError(f"unknown model {text!r}; {_choices(registry)}")
+    raise ModelNotFoundError(
+        f"unknown model {text!r}{_did_you_mean(text, registry)}; {_choices(registry)}"
+    )
+
+
+def _did_you_mean(text: str, models: Mapping[str, PackagedModel]) -> str:
+    """ ", did you mean NAME?" for a packaged name the text starts, ends or nearly spells."""
+    wanted = text.lower()
+    names = list(models)
+    close = [n for n in names if n.startswith(wanted) or wanted in n.split("-")]
+    close = close or difflib.get_close_matches(wanted, names, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _resolve_hub(ref: HubRef, *, download: bool, progress: bool) -> Path:
