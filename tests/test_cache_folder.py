@@ -45,12 +45,14 @@ def _fill(tmp_path: Path) -> tuple[Path, dict[str, Path], set[str]]:
     for part in ("models", "weights", "kernels", "cost"):
         (folder / part).mkdir(parents=True)
     sources.mkdir()
-    kept, changed, gone = (sources / f"{n}.gguf" for n in ("kept", "changed", "gone"))
-    for f in (kept, changed, gone):
+    names = ("kept", "changed", "gone", "eager")
+    kept, changed, gone, eager = (sources / f"{n}.gguf" for n in names)
+    for f in (kept, changed, gone, eager):
         f.write_bytes(b"gguf")
     e = {
         "model": folder / "models" / "model.gguf",
-        "converted": _converted(folder, kept),
+        "converted": _converted(folder, kept),  # its packed weights are there: unused
+        "eager_only": _converted(folder, eager),  # no packed weights: the eager path's
         "packed": _packed(folder, kept, KEY),
         "packed_other_build": _packed(folder, changed, "fedcba9876543210"),
         "changed": _converted(folder, changed),
@@ -80,6 +82,7 @@ def _fill(tmp_path: Path) -> tuple[Path, dict[str, Path], set[str]]:
         lock.write_text("")  # atomic.exclusive's lock files: not entries, even when old
         _age(lock, 2 * 3600)
     stale = {
+        "converted",
         "packed_other_build",
         "changed",
         "gone",
@@ -101,9 +104,13 @@ def test_entries_say_what_is_stale_and_why(tmp_path: Path) -> None:
     assert "changed since" in why["changed"] and "changed since" in why["packed_other_build"]
     assert "names no source" in why["unnamed"] and "other sources" in why["old_build"]
     assert "interrupted" in why["left_tmp"] and "older than 7 days" in why["old_curve"]
+    assert why["converted"] == cache_folder.UNUSED_COPY
+    assert cache_folder.model_of(found[e["converted"]]) == "kept.gguf"
+    assert cache_folder.model_of(found[e["model"]]) == ""
     assert found[e["model"]].size == 100 and found[e["build"]].size == 10
     unknown = {x.path for x in cache_folder.entries(folder, None) if x.stale}
     assert e["old_build"] not in unknown and e["packed"] not in unknown  # no key: builds kept
+    assert e["converted"] not in unknown  # no kernels here: the eager path reads it
 
 
 def test_prune_removes_the_stale_entries_only(tmp_path: Path) -> None:

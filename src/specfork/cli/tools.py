@@ -401,7 +401,10 @@ def run_cache(args: argparse.Namespace, err: Console) -> int:
 
 
 def _entry(e: Any) -> dict:
-    return {"part": e.part, "path": str(e.path), "bytes": e.size, "stale": e.stale or None}
+    from specfork.loading.cache_folder import model_of
+
+    entry = {"part": e.part, "path": str(e.path), "bytes": e.size, "stale": e.stale or None}
+    return entry | ({"model": model} if (model := model_of(e)) else {})
 
 
 def _print_cache(console: Console, folder: Path, found: list[Any]) -> None:
@@ -417,6 +420,7 @@ def _print_cache(console: Console, folder: Path, found: list[Any]) -> None:
         size, stale_size = sum(e.size for e in mine), sum(e.size for e in stale)
         table.add_row(part, str(len(mine)), _size(size), str(len(stale)), _size(stale_size))
     console.print(table)
+    _print_models(console, found)
     reasons: dict[tuple[str, str], list[Any]] = {}
     for e in found:
         if e.stale:
@@ -431,6 +435,27 @@ def _print_cache(console: Console, folder: Path, found: list[Any]) -> None:
         why.add_row(part, escape(reason), str(len(group)), _size(sum(e.size for e in group)))
     console.print(why)
     console.print("`specfork cache --prune` removes the stale entries.", markup=False)
+
+
+def _print_models(console: Console, found: list[Any]) -> None:
+    """The converted, packed and indexed weights of each model, with their sizes."""
+    from specfork.loading.cache_folder import model_of
+
+    by_model: dict[str, list[Any]] = {}
+    for e in found:
+        if name := model_of(e):
+            by_model.setdefault(name, []).append(e)
+    if not by_model:
+        return
+    table = Table(title="weights by model")
+    for col in ("model", "files", "size", "stale size"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for name, group in sorted(by_model.items()):
+        stale = sum(e.size for e in group if e.stale)
+        table.add_row(
+            escape(name), str(len(group)), _size(sum(e.size for e in group)), _size(stale)
+        )
+    console.print(table)
 
 
 def _size(n: int) -> str:

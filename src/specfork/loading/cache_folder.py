@@ -114,7 +114,33 @@ def _stale_weights(path: Path, kernels_key: str | None) -> str:
         expected = weight_cache.cache_file(path.parent, source, DTYPES[kind])
     else:
         return ""
-    return "" if expected == path else f"{source.name} changed since (or another version made it)"
+    if expected != path:
+        return f"{source.name} changed since (or another version made it)"
+    if kind in DTYPES and kernels_key is not None and _packed(path.parent, source):
+        return UNUSED_COPY
+    return ""
+
+
+UNUSED_COPY = (
+    "a converted copy the kernels do not read (they run the packed weights); only --kernels off "
+    "uses it, and makes it again"
+)
+
+
+def _packed(folder: Path, source: Path) -> bool:
+    """Whether the kernels' packed weights of `source` are in the folder (a current file)."""
+    return any(
+        weight_cache.source_of(p) == str(source)
+        for p in folder.glob(f"{source.stem}-packed*.safetensors")
+    )
+
+
+def model_of(entry: Entry) -> str:
+    """The model file a weights entry was made from ("" for other entries)."""
+    if entry.part != "weights" or entry.path.suffix != ".safetensors":
+        return ""
+    named = weight_cache.source_of(entry.path)
+    return Path(named).name if named else ""
 
 
 def _age(path: Path) -> float:
