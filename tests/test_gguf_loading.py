@@ -376,3 +376,16 @@ def test_truncated_gguf(converted, tmp_path: Path) -> None:
         path.write_bytes(data[:cut])
         with pytest.raises(ModelFormatError, match="GGUF file: it ends before the data its header"):
             load_decoder(path, dtype=torch.float32, device="cpu")
+
+
+def test_transformers_baseline_loads_without_progress_bars(
+    converted, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The bench's transformers baseline loads a GGUF without tqdm bars on stderr, which
+    flood a log file or a CI log with carriage-return lines."""
+    from specfork.bench.hf import load_hf_model
+
+    model = load_hf_model(converted("llama-q8_0").path, torch.float32)
+    assert model is not None
+    err = capfd.readouterr().err
+    assert "\r" not in err and "it/s" not in err

@@ -14,7 +14,10 @@ token is t(1 token). Acceptance and forward counts are not available (n/a).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
+import logging
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -26,7 +29,10 @@ from specfork.bench.records import BenchStrategy, RunOutput
 from specfork.bench.specs import StrategySpec
 from specfork.config import SamplingParams
 from specfork.extras import MissingDependencyError, require
+from specfork.steps import long_step
 from specfork.threads import torch_threads
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PROMPT_LOOKUP = 10  # transformers' documented example value of prompt_lookup_num_tokens
 
@@ -53,6 +59,9 @@ def load_hf_model(path: Path, dtype: torch.dtype, device: torch.device | str = "
     """A transformers causal LM from a .gguf file or a checkpoint folder, in eval mode.
 
     transformers needs accelerate to read a GGUF file (MissingDependencyError without it).
+    Its GGUF conversion draws a tqdm bar that its progress switch does not reach; whatever it
+    writes to stderr goes to the debug log instead, so a bench's stderr stays readable in a
+    file or a CI log and the bench's own display is not broken on a terminal.
     """
     if not path.is_dir():
         require("accelerate", "transformers loading a GGUF file")
@@ -64,15 +73,23 @@ def load_hf_model(path: Path, dtype: torch.dtype, device: torch.device | str = "
     kwargs: dict[str, Any] = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # its tqdm bars would break specfork's progress display
+    captured = io.StringIO()
     try:
-        if path.is_dir():
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
+        step = long_step(log, f"loading {path.name} in transformers", "5–30 s")
+        with step, contextlib.redirect_stderr(captured):
+            model = _from_pretrained(AutoModelForCausalLM, path, kwargs)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+        if captured.getvalue():
+            log.debug("transformers wrote while loading: %s", captured.getvalue()[-2000:])
     return model.to(device).eval()
+
+
+def _from_pretrained(auto_class: Any, path: Path, kwargs: dict[str, Any]) -> Any:
+    if path.is_dir():
+        return auto_class.from_pretrained(path, **kwargs)
+    return auto_class.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
 
 
 def generate_kwargs(
