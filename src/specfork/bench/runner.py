@@ -39,6 +39,7 @@ import torch
 from rich.console import Console
 
 from specfork.bench import suffix_isolation
+from specfork.bench.advice import where_speculation_pays
 from specfork.bench.machine import machine_info, peak_memory_mb, reset_peak_memory
 from specfork.bench.progress import LiveProgress
 from specfork.bench.prompts import BenchPrompt
@@ -581,6 +582,10 @@ def run_benchmark(
         text_labels=text_labels,
         seeded_labels=seeded_labels,
     )
+    speculative = [s.label for s in strategies if s.family == "specfork" and s.label != reference]
+    advice = where_speculation_pays(per_prompt, speculative)
+    if advice is not None:
+        notes.append(advice)
     by_turn, later_turns = None, None
     if multi_turn:
         by_turn = {
