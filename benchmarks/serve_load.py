@@ -18,6 +18,15 @@ exits with status 1.
 
     python benchmarks/serve_load.py --prompts benchmarks/prompts/specbench-dev.jsonl \
         --concurrency 1,2,4,8,16,32 --requests 16 --max-tokens 64 --repeats 2 --out load-out
+
+--workload NAME (agent, multi-turn, code-edit, rag or all; not with --prompts) replays the
+workload's conversations instead (specfork.bench.load_replay): at each level the C clients
+take max(--requests, the largest level) whole conversations and send each one's turns in
+order, every later turn after the server's own earlier answers (the agent loop); a second
+table shows the later turns (2 and on) beside turn 1, and the text check is per conversation
+and turn.
+
+    python benchmarks/serve_load.py --workload agent --concurrency 1,4 --strategies ar,dspark
 """
 
 from __future__ import annotations
@@ -33,11 +42,13 @@ from specfork.bench.load import (
     DEFAULT_STRATEGIES,
     NAMED_STRATEGIES,
     InProcessServers,
+    LoadConfig,
     LoadSettings,
     configurations,
     parse_load_strategies,
     sweep,
 )
+from specfork.bench.load_replay import replay_runner, workload_conversations
 from specfork.bench.load_report import LoadReport, write_outputs
 from specfork.bench.machine import machine_info
 from specfork.bench.openai_api import ServerAnswerError
@@ -74,6 +85,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--prompts", type=Path, default=None, help="prompt file (first turns)")
+    p.add_argument(
+        "--workload",
+        default=None,
+        metavar="NAME",
+        help="replay a shipped workload's conversations turn by turn, each later turn after "
+        "the server's own answers (agent, multi-turn, code-edit, rag or all; not with "
+        "--prompts); --requests then counts conversations, at least one per client",
+    )
     names = ", ".join(f"{k} = {label}" for k, (label, _) in NAMED_STRATEGIES.items())
     p.add_argument(
         "--strategies",
@@ -113,19 +132,61 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     """The load run; its exit status (1 when texts differ)."""
-    settings = LoadSettings(args.concurrency, args.requests, args.max_tokens, args.repeats)
+    settings = LoadSettings(
+        args.concurrency,
+        args.requests,
+        args.max_tokens,
+        args.repeats,
+        prompts=str(args.prompts) if args.prompts else None,
+        workload=args.workload,
+    )
     configs = configurations(parse_load_strategies(args.strategies), args.max_running)
     BatchConfig.rows_for(args.max_running, args.step_rows)  # refused before the model loads
     out = check_output_dir(args.out) if args.out else None
+    most = max(settings.requests_at(c) for c in settings.concurrency)
+    if settings.workload:
+        return replay(args, settings, configs, out, most)
     prompts = read_first_turns(args.prompts) if args.prompts else list(BUILT_IN_PROMPTS)
     with model_thread() as thread:  # loads and runs the model, as `specfork serve` does
         loaded = run_in(thread, load_model, args.model, dtype=args.dtype, device=args.device)
         servers = InProcessServers(loaded, thread, args.max_context, step_rows=args.step_rows)
         result = sweep(configs, prompts, settings, servers, progress=log.info)
-    used = prompts[: max(settings.requests_at(c) for c in settings.concurrency)]
-    report = LoadReport(configs, settings, used, result, about(loaded, args.step_rows))
+    report = LoadReport(configs, settings, prompts[:most], result, about(loaded, args.step_rows))
     title = (
         f"{report.about['title']}: {args.max_tokens} tokens per request, "
+        f"{args.repeats} repeat(s), medians"
+    )
+    return finish(report, out, title)
+
+
+def replay(
+    args: argparse.Namespace,
+    settings: LoadSettings,
+    configs: list[LoadConfig],
+    out: Path | None,
+    most: int,
+) -> int:
+    """The load run replaying --workload's conversations; its exit status."""
+    conversations = workload_conversations(args.workload)
+    first_turns = [c.first_messages() for c in conversations]  # the library's check
+    with model_thread() as thread:
+        loaded = run_in(thread, load_model, args.model, dtype=args.dtype, device=args.device)
+        servers = InProcessServers(loaded, thread, args.max_context, step_rows=args.step_rows)
+        runner = replay_runner(conversations)
+        result = sweep(configs, first_turns, settings, servers, log.info, runner)
+    used = conversations[:most]  # request i replays conversation i mod their number
+    report = LoadReport(
+        configs,
+        settings,
+        [c.turns[0] for c in used],
+        result,
+        {**about(loaded, args.step_rows), "workload": args.workload},
+        conversations=used,
+    )
+    turns = sum(len(used[i % len(used)].turns) for i in range(most))  # requests a level
+    title = (
+        f"{report.about['title']}: workload {args.workload} replayed, {most} conversations "
+        f"({turns} requests) a level, {args.max_tokens} tokens per request, "
         f"{args.repeats} repeat(s), medians"
     )
     return finish(report, out, title)
@@ -164,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("specfork.strategies.dspark").setLevel(logging.WARNING)  # its round trace
     try:
         return run(args)
     except (SpecforkError, ServerAnswerError) as exc:

@@ -2,13 +2,16 @@
 
 End to end on real in-process servers of a tiny random model (concurrency 1 and 2, 2 requests,
 4 tokens): the structure of the results, equal greedy texts across configurations and
-concurrency levels, and the files written. The text check is shown to fail on servers of two
+concurrency levels, and the files written; the same for a workload replay (two multi-turn
+chats, every turn after the server's own answers). The replay's request building is checked on
+a fake client. The text check is shown to fail on servers of two
 different models. Figures are computed from fabricated runs where their values are asserted;
 nothing depends on timing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from collections.abc import Sequence
@@ -32,7 +35,14 @@ from specfork.bench.load import (
     percentile,
     sweep,
 )
+from specfork.bench.load_replay import (
+    Conversation,
+    replay_level,
+    replay_runner,
+    workload_conversations,
+)
 from specfork.bench.load_report import LoadReport, ratios, summarize, write_outputs
+from specfork.bench.prompt_file import Prompt
 from specfork.config import SpecConfig
 from specfork.engine.thread import model_thread, run_in
 from specfork.errors import ConfigError, SpecforkError
@@ -354,3 +364,178 @@ def test_every_level_gets_a_fresh_server(tiny_folder: Path) -> None:
         (label, repeat, c) for repeat in range(2) for label in labels for c in (1, 2)
     ]
     assert all(s.prompt >= 0 for r in result.runs for s in r.samples)  # the warm-up is not kept
+
+
+# ----------------------------------------------------------------------------- workload replay
+
+
+def test_replay_settings() -> None:
+    settings = LoadSettings(concurrency=(1, 4), requests=2, workload="agent")
+    assert settings.replay and not LoadSettings().replay
+    assert settings.requests_at(1) == 4  # conversations: at least one per client of the largest
+    assert LoadSettings(concurrency=(1, 4), requests=6, workload="all").requests_at(4) == 6
+    with pytest.raises(ConfigError, match=r"--workload agent and --prompts p\.jsonl cannot be"):
+        LoadSettings(workload="agent", prompts="p.jsonl")
+    with pytest.raises(ConfigError, match="unknown workload 'agents'; choose one of"):
+        LoadSettings(workload="agents")
+
+
+def test_workload_conversations() -> None:
+    agent = workload_conversations("agent")
+    assert len(agent) == 12 and all(len(c.turns) >= 4 for c in agent)
+    assert [m["role"] for m in agent[0].context] == ["system"]
+    every = workload_conversations("all")
+    assert len(every) == 48  # the workloads taken in turn: the first four cover all of them
+    assert [c.name.split("-")[0] for c in every[:4]] == ["multi", "agent", "code", "rag"]
+
+
+class _FakeClient:
+    """Answers a request with a text naming its conversation and turn; records the messages."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[int, int, list[dict[str, str]]]] = []
+
+    def request(
+        self, prompt_index: int, prompt: Prompt, max_tokens: int | None = None, turn: int = 1
+    ) -> RequestSample:
+        assert isinstance(prompt, list)
+        self.asked.append((prompt_index, turn, prompt))
+        return RequestSample(
+            prompt_index, f"answer {prompt_index}.{turn}", 4, 1.0, 0.1, 9.0, 1.0, 4, turn
+        )
+
+
+def test_replay_builds_each_turn_on_the_servers_answers() -> None:
+    system = {"role": "system", "content": "tools: search"}
+    conversations = [
+        Conversation("a", (system,), ("find flights", "tool result: AB12", "book it")),
+        Conversation("b", (), ("hello", "more")),
+    ]
+    client = _FakeClient()
+    wall, samples = replay_level(conversations, client, 3, concurrency=2)
+    assert wall >= 0
+    # conversation i mod 2 for the i-th, samples in conversation order, turns in order
+    first, second = [(0, 1), (0, 2), (0, 3)], [(1, 1), (1, 2)]
+    assert [(s.prompt, s.turn) for s in samples] == [*first, *second, *first]
+    assert len(client.asked) == 8
+    asked = {(i, t): m for i, t, m in client.asked}
+    assert asked[(0, 1)] == [system, {"role": "user", "content": "find flights"}]
+    assert asked[(0, 3)] == [
+        system,
+        {"role": "user", "content": "find flights"},
+        {"role": "assistant", "content": "answer 0.1"},
+        {"role": "user", "content": "tool result: AB12"},
+        {"role": "assistant", "content": "answer 0.2"},
+        {"role": "user", "content": "book it"},
+    ]
+    assert asked[(1, 2)] == [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "answer 1.1"},
+        {"role": "user", "content": "more"},
+    ]
+    assert conversations[0].first_messages() == asked[(0, 1)]
+    with pytest.raises(ValueError, match="all answered"):
+        conversations[1].messages(["x", "y"])
+    with pytest.raises(ValueError, match="no conversations"):
+        replay_runner([])
+
+
+def test_later_turns_reported_apart() -> None:
+    config = configurations([("ar (plain)", PLAIN)], max_running=2)[0]
+    # turn 1: TTFT 0.5 s, 1 token a forward; turns 2 and 3: TTFT 0.1 s, 2 tokens a forward
+    samples = [
+        RequestSample(c, "t", 10, 1.0, 0.5 if t == 1 else 0.1, 20.0, 1.0 if t == 1 else 2.0, 5, t)
+        for c in range(2)
+        for t in (1, 2, 3)
+    ]
+    samples[-1] = dataclasses.replace(samples[-1], text="other")  # conversation 1, turn 3
+    rerun = [dataclasses.replace(s, text="t") for s in samples]
+    runs = [LevelRun(config.label, 0, 1, 4.0, samples), LevelRun(config.label, 0, 2, 2.0, rerun)]
+    conversations = [Conversation(n, (), ("q1", "q2", "q3 " + n)) for n in ("c0", "c1")]
+    report = LoadReport(
+        [config],
+        LoadSettings((1, 2), 2, 10, workload="multi-turn"),
+        ["q1", "q1"],
+        SweepResult(runs, {}),
+        {},
+        conversations,
+    )
+    all_rows, later, first = report.rows, report.later_rows, report.first_rows
+    assert [(r.requests, r.requests_per_s, r.tokens_per_s) for r in all_rows] == [
+        (6, 1.5, 15.0),
+        (6, 3.0, 30.0),
+    ]
+    assert [(r.requests, r.requests_per_s, r.ttft_p50, r.mean_accepted) for r in later] == [
+        (4, 1.0, 0.1, 2.0),  # 4 later turns in the level's 4 s
+        (4, 2.0, 0.1, 2.0),
+    ]
+    assert [(r.requests, r.ttft_p50, r.mean_accepted) for r in first] == [(2, 0.5, 1.0)] * 2
+    assert [r.differing for r in later] == [0, 1] and [r.differing for r in first] == [0, 0]
+    assert report.mismatch_lines() == [
+        "conversation 1 (c1) turn 3 ('q3 c1'): ar (plain), max-running 2 at 2 clients "
+        "(repeat 1) differs from ar (plain), max-running 2 at 1 client at character 0"
+    ]
+    table = report.markdown()
+    assert "Later turns (2 and on) only, beside turn 1" in table
+    assert (
+        "| ar (plain), max-running 2 | 1 | 4 | 1.00 | 10.0 | 0.10 | 0.50 | 2.00 | 1.00 | yes |"
+        in table
+    )
+    assert "| no (1) |" in table
+    doc = report.to_json()
+    assert [r["requests"] for r in doc["summary_later_turns"]] == [4, 4]
+    assert [c["name"] for c in doc["conversations"]] == ["c0", "c1"]
+    plain = [dataclasses.replace(s, turn=1) for s in samples]
+    flat = LoadReport(
+        [config],
+        LoadSettings((1,), 2, 10),
+        ["p", "q"],
+        SweepResult([LevelRun(config.label, 0, 1, 4.0, plain)], {}),
+        {},
+    )
+    assert flat.later_rows == [] and "Later turns" not in flat.markdown()
+    assert "summary_later_turns" not in flat.to_json()
+
+
+@pytest.fixture(scope="module")
+def long_tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with room for a whole multi-turn chat (byte-level: a token a character)."""
+    return tiny_chat_llama(tmp_path_factory.mktemp("tiny-replay"), context=1024)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_replay_end_to_end(script: ModuleType, long_tiny_folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = [
+        *("--model", str(long_tiny_folder), "--dtype", "float32", "--device", "cpu"),
+        *("--max-context", "1024", "--strategies", "ar,ngram", "--max-running", "2"),
+        *("--concurrency", "1,2", "--requests", "2", "--max-tokens", "4"),
+        *("--workload", "multi-turn", "--out", str(out)),
+    ]
+    assert script.main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    chats = workload_conversations("multi-turn")[:2]
+    turns = [(i, t) for i, c in enumerate(chats) for t in range(1, len(c.turns) + 1)]
+    assert doc["workload"] == "multi-turn" and doc["settings"]["workload"] == "multi-turn"
+    assert [c["name"] for c in doc["conversations"]] == [c.name for c in chats]
+    for run in doc["runs"]:
+        assert [(s["prompt"], s["turn"]) for s in run["samples"]] == turns
+        assert all(s["tokens"] == 4 for s in run["samples"])
+    texts: dict[tuple[int, int], set[str]] = {}
+    for s in (s for r in doc["runs"] for s in r["samples"]):
+        texts.setdefault((s["prompt"], s["turn"]), set()).add(s["text"])
+    assert len(texts) == len(turns) and all(len(t) == 1 for t in texts.values()), texts
+    assert doc["same_text"] is True
+    later = len(turns) - len(chats)
+    assert [r["requests"] for r in doc["summary_later_turns"]] == [later] * 8
+    assert "Later turns (2 and on)" in (out / "table.md").read_text()
+
+
+def test_workload_with_prompts_fails_before_loading(script: ModuleType, capsys) -> None:
+    argv = ["--model", "no-such-model", "--workload", "agent", "--prompts", "p.jsonl"]
+    assert script.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--workload agent and --prompts p.jsonl cannot be given together" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert script.main(["--model", "no-such-model", "--workload", "agents"]) == 2
+    assert "unknown workload 'agents'" in capsys.readouterr().err

@@ -9,6 +9,11 @@ yields max_tokens tokens) from C client threads; request i asks prompt i mod len
 request's figures and text are kept (`LevelRun`); `specfork.bench.load_report` turns them into
 medians, tables, ratios and a plot.
 
+With a workload (`LoadSettings.workload`) a level replays conversations instead
+(`specfork.bench.load_replay`): max(requests, the largest level) of them, each client sending a
+conversation's turns in order with the server's earlier answers in the history; every sample
+carries its turn number.
+
 `InProcessServers` serves the configurations from one loaded model on the thread that loaded it
 (as `specfork serve` does) and measures the library's own decode speed on the same prompts.
 """
@@ -22,10 +27,13 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from specfork.bench.openai_api import OpenAIServer, ServerAnswerError
+from specfork.bench.prompt_file import Prompt
 from specfork.bench.specs import StrategySpec, ensure_plain, parse_strategies
+from specfork.bench.workloads import workload_names
 from specfork.checks import is_int
 from specfork.config import GenerationConfig, SpecConfig
 from specfork.errors import ConfigError
@@ -69,8 +77,18 @@ class LoadSettings:
     requests: int = 16  # per level at least; every level sends 2 per client of the largest
     max_tokens: int = 64
     repeats: int = 1
+    prompts: str | None = None  # --prompts: a prompt file's first turns (None: built-in)
+    workload: str | None = None  # --workload: replay this workload's conversations
 
     def __post_init__(self) -> None:
+        if self.workload is not None and self.prompts is not None:
+            raise ConfigError(
+                f"--workload {self.workload} and --prompts {self.prompts} cannot be given "
+                "together: --workload replays the shipped workload's conversations, --prompts "
+                "sends a prompt file's first turns; give one"
+            )
+        if self.workload is not None:
+            workload_names(self.workload)  # ConfigError naming the workloads
         levels = self.concurrency
         if not levels or any(not _positive_int(c) for c in levels):
             raise ConfigError(f"--concurrency must list integers >= 1, got {levels!r}")
@@ -82,10 +100,18 @@ class LoadSettings:
                 flag = name.replace("_", "-")
                 raise ConfigError(f"--{flag} must be an integer >= 1, got {value!r}")
 
+    @property
+    def replay(self) -> bool:
+        """Whether levels replay a workload's conversations (turn after turn)."""
+        return self.workload is not None
+
     def requests_at(self, concurrency: int) -> int:
         """Requests sent at a concurrency level: the same at every level (so every level asks
         the same prompts, request i prompt i mod their number), and at least 2 per client of
-        the largest level."""
+        the largest level. In a replay, conversations (of several requests each): at least one
+        per client of the largest level."""
+        if self.replay:
+            return max(self.requests, max(self.concurrency))
         return max(self.requests, 2 * max(self.concurrency))
 
 
@@ -105,6 +131,7 @@ class RequestSample:
     decode_tps: float  # the server's decode tokens/s for this request (prefill excluded)
     mean_accepted: float  # tokens per target forward, bonus included
     target_forwards: int
+    turn: int = 1  # a replayed conversation's turn (1: the first; single-turn requests: 1)
 
 
 @dataclass
@@ -116,6 +143,12 @@ class LevelRun:
     concurrency: int
     wall: float  # seconds from the first request sent to the last stream ended
     samples: list[RequestSample] = field(default_factory=list)
+
+    def of_turns(self, keep: Callable[[int], bool]) -> LevelRun:
+        """The requests whose turn `keep` accepts, over the level's whole wall time (so their
+        requests/s and tokens/s are their share of the level's)."""
+        mine = [s for s in self.samples if keep(s.turn)]
+        return LevelRun(self.config, self.repeat, self.concurrency, self.wall, mine)
 
     @property
     def requests_per_s(self) -> float:
@@ -204,11 +237,12 @@ class LoadClient:
         self.server.close()
 
     def request(
-        self, prompt_index: int, prompt: str, max_tokens: int | None = None
+        self, prompt_index: int, prompt: Prompt, max_tokens: int | None = None, turn: int = 1
     ) -> RequestSample:
-        """One streamed request; ServerAnswerError if the server fails it."""
+        """One streamed request (`prompt`: a user message, or chat messages); ServerAnswerError
+        if the server fails it."""
         body = {
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": _messages(prompt),
             "max_tokens": max_tokens or self.max_tokens,
             "temperature": 0,
             "ignore_eos": True,
@@ -237,11 +271,24 @@ class LoadClient:
             decode_tps=float(stats.get("decode_tokens_per_second", 0.0)),
             mean_accepted=float(stats.get("mean_accepted_length", 0.0)),
             target_forwards=int(stats.get("target_forwards", 0)),
+            turn=turn,
         )
 
 
+def _messages(prompt: Prompt) -> list[dict[str, str]]:
+    """Chat messages of a prompt: a text is one user message."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
+
+
+#: one level's requests: (client, requests or conversations to send, client threads) -> (wall
+#: seconds, samples in request order)
+LevelRunner = Callable[[LoadClient, int, int], tuple[float, list[RequestSample]]]
+
+
 def run_level(
-    client: LoadClient, prompts: Sequence[str], n: int, concurrency: int
+    client: LoadClient, prompts: Sequence[Prompt], n: int, concurrency: int
 ) -> tuple[float, list[RequestSample]]:
     """`n` requests from `concurrency` client threads; (wall seconds, samples in request order)."""
     jobs = [(i % len(prompts), prompts[i % len(prompts)]) for i in range(n)]
@@ -262,7 +309,7 @@ class Servers(Protocol):
         ...
 
     def library_check(
-        self, spec: SpecConfig, prompts: Sequence[str], max_tokens: int
+        self, spec: SpecConfig, prompts: Sequence[Prompt], max_tokens: int
     ) -> LibraryCheck:
         """The library's own figures on `prompts`, one request at a time."""
         ...
@@ -284,15 +331,21 @@ class SweepResult:
 
 def sweep(
     configs: Sequence[LoadConfig],
-    prompts: Sequence[str],
+    prompts: Sequence[Prompt],
     settings: LoadSettings,
     servers: Servers,
     progress: Callable[[str], None] = lambda _: None,
+    runner: LevelRunner | None = None,
 ) -> SweepResult:
     """Every configuration at every concurrency level, `settings.repeats` times, interleaved.
     Each level gets a server of its own: a server's prefix cache keeps the KV of the prompts
     it has seen, and every level asks the same prompts, so a level run after another on one
-    server would read its prompts from that cache and measure no prefill."""
+    server would read its prompts from that cache and measure no prefill.
+
+    `runner` sends a level's requests (default: `run_level` on `prompts`; a replay passes
+    `load_replay.replay_runner`); the library's check runs the first of `prompts`."""
+    if runner is None:
+        runner = partial(_single_turns, prompts)
     result = SweepResult([], {})
     most = max(settings.requests_at(c) for c in settings.concurrency)
     first = prompts[:LIBRARY_PROMPTS]
@@ -306,20 +359,26 @@ def sweep(
             for c in settings.concurrency:
                 progress(f"repeat {repeat + 1}: {config.label}, concurrency {c}")
                 with servers.serve(config, queue_size=most) as url:
-                    wall, samples = _level(url, prompts, settings.requests_at(c), c, settings)
+                    wall, samples = _level(url, runner, settings.requests_at(c), c, settings)
                 result.runs.append(LevelRun(config.label, repeat, c, wall, samples))
     return result
 
 
+def _single_turns(
+    prompts: Sequence[Prompt], client: LoadClient, n: int, concurrency: int
+) -> tuple[float, list[RequestSample]]:
+    return run_level(client, prompts, n, concurrency)
+
+
 def _level(
-    url: str, prompts: Sequence[str], n: int, concurrency: int, settings: LoadSettings
+    url: str, runner: LevelRunner, n: int, concurrency: int, settings: LoadSettings
 ) -> tuple[float, list[RequestSample]]:
     """A fresh server's warm-up (a prompt of its own, so no measured prompt is cached by it),
     then one concurrency level."""
     client = LoadClient(url, settings.max_tokens)
     try:
         client.request(-1, WARM_UP_PROMPT, WARM_UP_TOKENS)
-        return run_level(client, prompts, n, concurrency)
+        return runner(client, n, concurrency)
     finally:
         client.close()
 
@@ -370,18 +429,18 @@ class InProcessServers:
             yield url
 
     def library_check(
-        self, spec: SpecConfig, prompts: Sequence[str], max_tokens: int
+        self, spec: SpecConfig, prompts: Sequence[Prompt], max_tokens: int
     ) -> LibraryCheck:
         generator = self.generator(spec)
         return self.thread.submit(_library_check, generator, prompts, max_tokens).result()
 
 
-def _library_check(generator: Any, prompts: Sequence[str], max_tokens: int) -> LibraryCheck:
+def _library_check(generator: Any, prompts: Sequence[Prompt], max_tokens: int) -> LibraryCheck:
     config = GenerationConfig(max_new_tokens=max_tokens, ignore_eos=True)
     speeds, latencies = [], []
     for prompt in prompts:
         start = time.perf_counter()
-        result = generator.generate([{"role": "user", "content": prompt}], config=config)
+        result = generator.generate(_messages(prompt), config=config)
         latencies.append(time.perf_counter() - start)
         speeds.append(result.stats.decode_tokens_per_second)
     return LibraryCheck(statistics.median(speeds), statistics.median(latencies))

@@ -4,7 +4,12 @@ check, the markdown tables, results.json and the tokens/s plot.
 Greedy decoding of the same prompt must give the same text in every configuration and at every
 concurrency: speculation is lossless and a request's output must not depend on the requests that
 share its forwards. `text_mismatches` names every request whose text differs from the first
-text seen for its prompt.
+text seen for its prompt (for its prompt and turn in a workload replay, whose later turns carry
+the server's earlier answers: deterministic under greedy decoding, so the same everywhere too).
+
+A replay's report adds a table of the later turns (2 and on) beside the one of every request
+(`summarize_later_turns`), with turn 1's TTFT and tokens per target forward next to theirs: the
+later turns are where the server's prefix cache holds the conversation so far.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import os
 import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +33,7 @@ from specfork.bench.load import (
     RequestSample,
     SweepResult,
 )
+from specfork.bench.load_replay import Conversation
 from specfork.bench.report import md_table
 
 _EXCERPT = 60  # characters of a prompt or text shown in a mismatch line
@@ -53,7 +59,7 @@ class Row:
 
 @dataclass(frozen=True)
 class Mismatch:
-    """A request whose greedy text differs from the first text of the same prompt."""
+    """A request whose greedy text differs from the first text of the same prompt (and turn)."""
 
     prompt: int
     config: str
@@ -61,20 +67,22 @@ class Mismatch:
     repeat: int
     reference: str  # where the reference text came from
     position: int  # first differing character
+    turn: int = 1
 
 
 def text_mismatches(runs: Sequence[LevelRun]) -> list[Mismatch]:
-    """Every request whose text differs from its prompt's first text (in run order)."""
-    first: dict[int, tuple[str, str]] = {}  # prompt -> (text, where)
+    """Every request whose text differs from its prompt's (and turn's) first text (in run
+    order)."""
+    first: dict[tuple[int, int], tuple[str, str]] = {}  # (prompt, turn) -> (text, where)
     found = []
     for run in runs:
         for s in run.samples:
             where = f"{run.config} at {_clients(run.concurrency)}"
-            text, origin = first.setdefault(s.prompt, (s.text, where))
+            text, origin = first.setdefault((s.prompt, s.turn), (s.text, where))
             if s.text != text:
                 at = _first_difference(text, s.text)
                 found.append(
-                    Mismatch(s.prompt, run.config, run.concurrency, run.repeat, origin, at)
+                    Mismatch(s.prompt, run.config, run.concurrency, run.repeat, origin, at, s.turn)
                 )
     return found
 
@@ -99,6 +107,22 @@ def summarize(
     return sorted(rows, key=lambda r: (order[r.config], r.concurrency))
 
 
+def summarize_later_turns(
+    result: SweepResult, configs: Sequence[LoadConfig], mismatches: Sequence[Mismatch] = ()
+) -> tuple[list[Row], list[Row]]:
+    """`summarize` of the later turns (2 and on) and of the first turns, each over its levels'
+    whole wall time; no rows when no request was a later turn (no replay)."""
+    if not any(s.turn >= 2 for r in result.runs for s in r.samples):
+        return [], []
+
+    def of(keep: Callable[[int], bool]) -> list[Row]:
+        runs = [r.of_turns(keep) for r in result.runs]
+        part = SweepResult([r for r in runs if r.samples], result.library)
+        return summarize(part, configs, [m for m in mismatches if keep(m.turn)])
+
+    return of(lambda turn: turn >= 2), of(lambda turn: turn == 1)
+
+
 def _row(key: tuple[str, int], runs: list[LevelRun], differing: int) -> Row:
     def median(value: Callable[[LevelRun], float]) -> float:
         return statistics.median(value(r) for r in runs)
@@ -120,11 +144,11 @@ def _row(key: tuple[str, int], runs: list[LevelRun], differing: int) -> Row:
 
 
 def _on_library_prompts(runs: list[LevelRun], value: Callable[[RequestSample], float]) -> float:
-    """Median `value` of the requests on the prompts the library's check runs (the first
-    LIBRARY_PROMPTS), so server and library compare on the same contexts: a long prompt makes
-    prefill and every decode step slower. All requests where none asked those prompts."""
+    """Median `value` of the requests on the prompts the library's check runs (the first turns
+    of the first LIBRARY_PROMPTS), so server and library compare on the same contexts: a long
+    prompt makes prefill and every decode step slower. All requests where none asked those."""
     every = [value(s) for r in runs for s in r.samples]
-    same = [value(s) for r in runs for s in r.samples if s.prompt < LIBRARY_PROMPTS]
+    same = [value(s) for r in runs for s in r.samples if s.prompt < LIBRARY_PROMPTS and s.turn == 1]
     return statistics.median(same or every)
 
 
@@ -175,20 +199,33 @@ class LoadReport:
     prompts: list[str]
     result: SweepResult
     about: dict[str, Any]  # model and machine (results.json)
+    conversations: list[Conversation] = field(default_factory=list)  # a replay's
 
     def __post_init__(self) -> None:
         self.mismatches = text_mismatches(self.result.runs)
         self.rows = summarize(self.result, self.configs, self.mismatches)
         self.ratios = ratios(self.rows, self.configs)
+        self.later_rows, self.first_rows = summarize_later_turns(
+            self.result, self.configs, self.mismatches
+        )
 
     def mismatch_lines(self) -> list[str]:
-        """One line per differing request, naming its prompt."""
+        """One line per differing request, naming its prompt (a replay's: its conversation and
+        turn)."""
         return [
-            f"prompt {m.prompt} ({_excerpt(self.prompts[m.prompt])}): {m.config} at "
-            f"{_clients(m.concurrency)} (repeat {m.repeat + 1}) differs from {m.reference} "
-            f"at character {m.position}"
+            f"{self._asked(m)}: {m.config} at {_clients(m.concurrency)} (repeat "
+            f"{m.repeat + 1}) differs from {m.reference} at character {m.position}"
             for m in self.mismatches
         ]
+
+    def _asked(self, m: Mismatch) -> str:
+        if not self.conversations:
+            return f"prompt {m.prompt} ({_excerpt(self.prompts[m.prompt])})"
+        conversation = self.conversations[m.prompt]
+        return (
+            f"conversation {m.prompt} ({conversation.name}) turn {m.turn} "
+            f"({_excerpt(conversation.turns[m.turn - 1])})"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -197,10 +234,23 @@ class LoadReport:
             "settings": dataclasses.asdict(self.settings),
             "configurations": [_config_json(c) for c in self.configs],
             "prompts": self.prompts,
+            **(
+                {"conversations": [c.to_json() for c in self.conversations]}
+                if self.conversations
+                else {}
+            ),
             "library_decode_tokens_per_s": _library_json(self.result.library, "decode_tps"),
             "library_latency_s": _library_json(self.result.library, "latency"),
             "runs": [_run_json(r) for r in self.result.runs],
             "summary": [dataclasses.asdict(r) for r in self.rows],
+            **(
+                {
+                    "summary_later_turns": [dataclasses.asdict(r) for r in self.later_rows],
+                    "summary_first_turns": [dataclasses.asdict(r) for r in self.first_rows],
+                }
+                if self.later_rows
+                else {}
+            ),
             "ratios": self.ratios,
             "same_text": not self.mismatches,
             "text_mismatches": [dataclasses.asdict(m) for m in self.mismatches],
@@ -208,6 +258,8 @@ class LoadReport:
 
     def markdown(self) -> str:
         parts = [self._main_table()]
+        if self.later_rows:
+            parts.append(self._later_table())
         for kind, table in self.ratios.items():
             if table:
                 parts.append(f"Tokens/s ratio, {kind}:\n\n{_ratio_table(table)}")
@@ -245,6 +297,44 @@ class LoadReport:
             for r in self.rows
         ]
         return md_table(header, rows)
+
+    def _later_table(self) -> str:
+        """The later turns (2 and on) of a replay beside its first turns: a later turn's
+        prompt holds the conversation so far, which the server's prefix cache keeps."""
+        first = {(r.config, r.concurrency): r for r in self.first_rows}
+        header = [
+            "configuration",
+            "clients",
+            "requests",
+            "requests/s",
+            "tokens/s",
+            "p50 TTFT (s)",
+            "turn 1: p50 TTFT (s)",
+            "mean accepted length",
+            "turn 1: mean accepted length",
+            "same text",
+        ]
+        rows = []
+        for r in self.later_rows:
+            one = first.get((r.config, r.concurrency))
+            rows.append(
+                [
+                    r.config,
+                    r.concurrency,
+                    r.requests,
+                    f"{r.requests_per_s:.2f}",
+                    f"{r.tokens_per_s:.1f}",
+                    f"{r.ttft_p50:.2f}",
+                    f"{one.ttft_p50:.2f}" if one else "n/a",
+                    f"{r.mean_accepted:.2f}",
+                    f"{one.mean_accepted:.2f}" if one else "n/a",
+                    "yes" if not r.differing else f"no ({r.differing})",
+                ]
+            )
+        return (
+            "Later turns (2 and on) only, beside turn 1 (requests/s and tokens/s: their share "
+            f"of the level's, over its whole time):\n\n{md_table(header, rows)}"
+        )
 
     def _library_table(self) -> str:
         """One request through the server (concurrency 1) against the library's
