@@ -484,6 +484,10 @@ def test_bench_end_to_end(tiny_folder: Path, tmp_path: Path, capsys) -> None:
     report = (out / "report.md").read_text()
     assert "## Overall" in report and "## Where decode time goes" in report
     assert "round efficiency" in report and "where decode time goes" in stdout
+    assert "## Drafts by source" in report and f"| {labels[2]} | self | 100% |" in report
+    for label in labels[1:3]:  # every drafted token counted under a source
+        for m in (m for m in ms if m["strategy"] == label):
+            assert sum(d for d, _ in m["by_source"].values()) == m["drafted"]
     if not HAVE_MATPLOTLIB:
         assert any("matplotlib is not installed" in n for n in doc["notes"])
         return

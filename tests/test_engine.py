@@ -674,3 +674,24 @@ def test_a_rounds_time_is_split_by_phase(tmp_path_factory: pytest.TempPathFactor
     for record in stats.rounds:
         assert set(record.extra["ms"]) <= set(PHASES) and record.extra["ms"]["forward"] > 0
     assert "phase_shares" in stats.to_dict()
+
+
+def test_drafts_are_counted_by_source(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every drafted and accepted token is counted under its source family, a SPORK tree's
+    nodes under the source that proposed them: the counts add up to the run's totals."""
+    loaded = load_model(
+        str(tiny_chat_llama(tmp_path_factory.mktemp("tiny-sources"))), progress=False
+    )
+    prompt = "1 2 3 4 1 2 3 4 1 2 3 4 1 2 3"
+    config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    for spec, allowed in [
+        (SpecConfig("spork", "recycle+ngram"), {"recycle", "ngram"}),
+        (SpecConfig("speculative", "ngram", k=4), {"ngram"}),
+    ]:
+        stats = Generator(loaded, spec=spec).generate(prompt, config=config).stats
+        assert stats.drafted > 0 and set(stats.by_source) <= allowed
+        assert sum(d for d, _ in stats.by_source.values()) == stats.drafted
+        assert sum(a for _, a in stats.by_source.values()) == stats.accepted
+        assert all(a <= d for d, a in stats.by_source.values())
+    plain = Generator(loaded).generate(prompt, config=config).stats
+    assert plain.by_source == {}

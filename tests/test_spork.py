@@ -70,7 +70,8 @@ class FixedChain:
         return None
 
     def propose(self, history, shape, sampling, rng) -> Draft:
-        return chain_draft(torch.tensor(self.tokens[: shape.depth], dtype=torch.long), forwards=1)
+        tokens = torch.tensor(self.tokens[: shape.depth], dtype=torch.long)
+        return chain_draft(tokens, forwards=1, source=self.name)
 
     def observe(self, feedback: Feedback) -> None:
         self.committed.append(feedback.committed)
@@ -110,6 +111,27 @@ def test_chain_branches_come_first_and_share_nodes_with_forks() -> None:
     assert first == [3, 2, 4]  # the chain's 3 first, the recycled 3 merged into it
     assert tree.tokens.tolist().count(6) == 1  # 3 -> 6 shared by the chain and the fork
     assert draft.forwards == 1
+
+
+def test_merged_nodes_name_the_source_that_proposed_them() -> None:
+    drafter = _table_drafter(chain=[3, 6, 11])
+    draft, tree = _propose(drafter, [9, 1], kind="forks", forks=3, depth=3, budget=24)
+    origin = {tok: draft.origin(i) for i, tok in enumerate(tree.tokens.tolist())}
+    assert origin == {
+        3: "fixed",
+        6: "fixed",
+        11: "fixed",
+        2: "recycle",
+        5: "recycle",
+        8: "recycle",
+        4: "recycle",
+        7: "recycle",
+    }
+    keep = tree.tokens != 11  # [N]: a subset keeps its nodes' origins
+    kept = draft.subset(keep)
+    assert [kept.origin(i) for i in range(len(kept))] == [
+        o for o, k in zip(draft.origins, keep.tolist(), strict=True) if k
+    ]
 
 
 def test_tree_respects_depth_and_node_limits() -> None:

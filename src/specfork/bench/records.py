@@ -68,6 +68,7 @@ class RunOutput:
     decode_seconds: float | None = None  # specfork: first token to the end
     phase_seconds: dict[str, float] | None = None  # specfork: of the decode time, by phase
     plain_steps: float | None = None  # Σ over rounds of c(rows): its forwards in one-row steps
+    by_source: dict[str, list[int]] | None = None  # specfork: source -> [drafted, accepted]
 
 
 @dataclass
@@ -216,6 +217,7 @@ class Measurement:
                 decode_seconds=o.decode_seconds,
                 phase_seconds=o.phase_seconds,
                 plain_steps=o.plain_steps,
+                by_source=o.by_source,
                 **{k: self.figure(k) for k in PER_RUN},
                 token_ids=o.token_ids,
                 rounds=o.rounds,

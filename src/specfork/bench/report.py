@@ -33,6 +33,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from specfork.bench.records import FIGURES, OVERALL, SHARES
+from specfork.bench.sources import SOURCE_HEADER, SOURCE_TEXT, source_rows, source_totals
 from specfork.checks import is_number
 from specfork.errors import ConfigError
 
@@ -265,6 +266,10 @@ def write_report_md(doc: Mapping[str, Any], out: Path, plots: Sequence[Path] = (
             _shares_table(doc),
             "",
         ]
+    by_source = source_rows(source_totals(doc.get("measurements", [])))
+    if by_source:
+        table = md_table(SOURCE_HEADER, by_source)
+        lines += ["## Drafts by source", "", SOURCE_TEXT, "", table, ""]
     for turn, by_turn in turn_summaries(doc):
         lines += [f"## Turn {turn}", "", _overall_table(doc, by_turn), ""]
         lines += _category_tables(doc, by_turn, cats, f"turn {turn}: ", ("speedup",))

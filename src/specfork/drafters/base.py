@@ -103,7 +103,9 @@ class Draft:
     (how likely the target is to accept it: a cumulative draft probability or a rank prior),
     non-increasing along every path; None when the drafter has none. `forwards` counts the
     drafter's model forwards spent on it; `source` names what produced it (e.g. "ngram-3"),
-    for acceptance statistics.
+    for acceptance statistics. `origins` names each node's own source where a draft merges
+    several (SPORK's trees: the source whose proposal of the node scored best); empty when
+    every node is `source`'s.
     """
 
     tree: Tree
@@ -111,6 +113,7 @@ class Draft:
     scores: torch.Tensor | None = None  # [N] float64
     forwards: int = 0
     source: str = ""
+    origins: tuple[str, ...] = ()  # [N] or ()
 
     def __len__(self) -> int:
         return len(self.tree)
@@ -131,7 +134,8 @@ class Draft:
             return self
         q = None if self.q is None else self.q[:k]
         scores = None if self.scores is None else self.scores[:k]
-        return Draft(chain(self.tokens[:k]), q, scores, self.forwards, self.source)
+        origins = self.origins[:k]
+        return Draft(chain(self.tokens[:k]), q, scores, self.forwards, self.source, origins)
 
     def subset(self, keep: torch.Tensor) -> Draft:
         """The nodes where `keep` [N] is True, with their q and scores (a kept node's parent
@@ -140,7 +144,18 @@ class Draft:
         kept = index >= 0  # [N]
         q = None if self.q is None else self.q[kept]
         scores = None if self.scores is None else self.scores[kept]
-        return Draft(tree, q, scores, self.forwards, self.source)
+        return Draft(tree, q, scores, self.forwards, self.source, kept_origins(self, kept))
+
+    def origin(self, node: int) -> str:
+        """The source that proposed `node`."""
+        return self.origins[node] if self.origins else self.source
+
+
+def kept_origins(draft: Draft, kept: torch.Tensor) -> tuple[str, ...]:
+    """`draft.origins` of the nodes where `kept` [N] is True (() when it has none)."""
+    if not draft.origins:
+        return ()
+    return tuple(o for o, k in zip(draft.origins, kept.tolist(), strict=True) if k)
 
 
 def chain_draft(

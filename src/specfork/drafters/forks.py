@@ -29,6 +29,7 @@ from specfork.drafters.recycle import RecycleTable
 from specfork.tree import Tree, TreeBuilder, node_scores, prune
 
 GREEDY = SamplingParams()
+RECYCLE = "recycle"  # the source name of the recycled top-k forks
 RECYCLE_WIDTH = 8  # successors kept per token: enough for the widest adapted tree
 
 
@@ -54,7 +55,7 @@ class ForkDrafter:
         self.vocab_size, self.width, self.prior = vocab_size, width, prior
         self.persist = persist
         self.chains = chains
-        self.name = "+".join([*(["recycle"] if recycle else []), *chains])
+        self.name = "+".join([*([RECYCLE] if recycle else []), *chains])
         self.wants_logits = recycle or any(c.wants_logits for c in chains.values())
         # the union of what the sources ask for; each hears its own layers (observe)
         wanted = (i for c in chains.values() for i in c.hidden_layers)
@@ -91,21 +92,23 @@ class ForkDrafter:
         proposed by several sources keeps its best prior score.
         """
         builder = TreeBuilder()
-        scores: dict[int, float] = {}  # node -> best prior score over the sources proposing it
+        best: dict[int, tuple[float, str]] = {}  # node -> best prior score, the source of it
         forwards = 0
         if shape.depth >= 1:
             for source in self.chains.values():
                 draft = source.propose(history, shape, GREEDY, rng)
                 forwards += draft.forwards
                 prior = draft.scores if draft.scores is not None else node_scores(draft.tree)
-                _add_tree(builder, scores, draft.tree, prior.tolist())
+                _add_tree(builder, best, draft, prior.tolist())
             if self.table is not None:
                 recycled = self._recycled(history[-1], shape)
-                _add_tree(builder, scores, recycled, node_scores(recycled).tolist())
+                recycled_draft = Draft(recycled, source=RECYCLE)
+                _add_tree(builder, best, recycled_draft, node_scores(recycled).tolist())
         built = builder.build()
-        prior = torch.tensor([scores[i] for i in range(len(built))], dtype=torch.float64)  # [N]
+        prior = torch.tensor([best[i][0] for i in range(len(built))], dtype=torch.float64)  # [N]
         tree, kept = _cap(built, prior, shape.tau, shape.max_nodes)
-        return Draft(tree, None, prior[kept], forwards, self.name)
+        origins = tuple(best[i][1] for i in kept.nonzero().flatten().tolist())
+        return Draft(tree, None, prior[kept], forwards, self.name, origins)
 
     def _recycled(self, root: int, shape: DraftShape) -> Tree:
         assert self.table is not None
@@ -115,14 +118,17 @@ class ForkDrafter:
 
 
 def _add_tree(
-    builder: TreeBuilder, scores: dict[int, float], tree: Tree, prior: list[float]
+    builder: TreeBuilder, best: dict[int, tuple[float, str]], draft: Draft, prior: list[float]
 ) -> None:
-    """Merge `tree` (a source's proposal, prior score per node) into the builder's trie."""
-    index: list[int] = []  # tree node -> builder node
+    """Merge a source's proposal (prior score per node) into the builder's trie; a node keeps
+    its best score and the source that gave it (ties: the earlier source)."""
+    index: list[int] = []  # draft node -> builder node
+    tree = draft.tree
     rows = zip(tree.tokens.tolist(), tree.parents.tolist(), prior, strict=True)
-    for token, parent, score in rows:
+    for i, (token, parent, score) in enumerate(rows):
         index.append(builder.add(-1 if parent < 0 else index[parent], token))
-        scores[index[-1]] = max(scores.get(index[-1], 0.0), score)
+        if index[-1] not in best or score > best[index[-1]][0]:
+            best[index[-1]] = (score, draft.origin(i))
 
 
 def _cap(tree: Tree, scores: torch.Tensor, tau: float, max_nodes: int) -> tuple[Tree, torch.Tensor]:

@@ -27,7 +27,7 @@ import llguidance
 import torch
 
 from specfork.constraint import Constraint
-from specfork.drafters.base import Draft
+from specfork.drafters.base import Draft, kept_origins
 from specfork.errors import ConstraintError
 from specfork.loading.tokenizer import Tokenizer
 from specfork.tree import children, prune
@@ -193,7 +193,7 @@ class GrammarState:
         rows = torch.cat([torch.tensor([True]), kept.cpu()])  # [N + 1] the root stays
         q = None if draft.q is None else draft.q[kept.to(draft.q.device)]
         scores = None if draft.scores is None else draft.scores[kept.to(draft.scores.device)]
-        pruned = Draft(tree, q, scores, draft.forwards, draft.source)
+        pruned = Draft(tree, q, scores, draft.forwards, draft.source, kept_origins(draft, kept))
         return pruned, self._unpack(bits[rows])
 
     def _fill(self, bits: torch.Tensor, row: int) -> None:

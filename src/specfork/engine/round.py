@@ -230,6 +230,8 @@ def learn(
     node_depths = list(range(1, len(draft) + 1)) if draft.is_chain else depths(draft.tree).tolist()
     depth = max(node_depths, default=0)
     req.stats.record_round(len(draft), verdict.accepted, depth)
+    if len(draft):
+        req.stats.record_sources([draft.origin(i) for i in range(len(draft))], set(verdict.path))
     extra: dict = {}
     if req.drafter is not None and req.policy is not None:
         observe_gate(req, proposed, draft, verdict)

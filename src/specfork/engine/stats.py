@@ -21,6 +21,14 @@ class RoundRecord:
     first_rejected: bool = False  # drafted, and the first draft token already failed
     extra: dict = field(default_factory=dict)  # what the policy computed (DSpark: C, ...)
 
+    def record_sources(self, origins: list[str], accepted: set[int]) -> None:
+        """Count a round's drafted nodes by their source (`origins[i]`: node i's) and the
+        `accepted` ones (node indices) by theirs."""
+        for node, origin in enumerate(origins):
+            counts = self.by_source.setdefault(source_family(origin), [0, 0])
+            counts[0] += 1
+            counts[1] += int(node in accepted)
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(out.pop("extra"))
@@ -34,6 +42,13 @@ class RoundRecord:
 #: feedback) and learning (gate, policy, statistics). "other" is the rest of the decode time:
 #: stop checks, detokenizing, the loop itself (and, batched, the other requests' work).
 PHASES = ("draft", "prepare", "forward", "accept", "commit", "learn")
+
+
+def source_family(source: str) -> str:
+    """A draft source's family: its label without the match-length bucket the goodput gate
+    keeps apart ("ngram-3" -> "ngram", "suffix-8" -> "suffix"; "head" stays)."""
+    name, _, bucket = source.rpartition("-")
+    return name if name and bucket.isdigit() else source
 
 
 @dataclass(slots=True)
@@ -64,6 +79,8 @@ class GenerationStats:
     decode_seconds: float = 0.0
     threads: ThreadReport | None = None  # the threads it ran on; whether the cores were busy
     phase_seconds: dict[str, float] = field(default_factory=dict)  # of the decode time: PHASES
+    #: source family (`source_family`) -> [drafted, accepted] tokens it proposed
+    by_source: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -126,6 +143,14 @@ class GenerationStats:
             self.drafted_by_position[pos] += 1
             self.accepted_by_position[pos] += int(pos < accepted)
 
+    def record_sources(self, origins: list[str], accepted: set[int]) -> None:
+        """Count a round's drafted nodes by their source (`origins[i]`: node i's) and the
+        `accepted` ones (node indices) by theirs."""
+        for node, origin in enumerate(origins):
+            counts = self.by_source.setdefault(source_family(origin), [0, 0])
+            counts[0] += 1
+            counts[1] += int(node in accepted)
+
     def to_dict(self) -> dict:
         out = asdict(self)
         del out["rounds"]  # per-round records go to the trace, not the summary
@@ -157,5 +182,9 @@ class GenerationStats:
             line += (
                 f" | accepted {self.accepted}/{self.drafted} ({self.acceptance_rate:.0%}), "
                 f"{self.mean_accepted_length:.2f} tokens/forward"
+            )
+        if len(self.by_source) > 1:
+            line += " | by source " + ", ".join(
+                f"{name} {a}/{d}" for name, (d, a) in sorted(self.by_source.items())
             )
         return line
