@@ -21,14 +21,6 @@ class RoundRecord:
     first_rejected: bool = False  # drafted, and the first draft token already failed
     extra: dict = field(default_factory=dict)  # what the policy computed (DSpark: C, ...)
 
-    def record_sources(self, origins: list[str], accepted: set[int]) -> None:
-        """Count a round's drafted nodes by their source (`origins[i]`: node i's) and the
-        `accepted` ones (node indices) by theirs."""
-        for node, origin in enumerate(origins):
-            counts = self.by_source.setdefault(source_family(origin), [0, 0])
-            counts[0] += 1
-            counts[1] += int(node in accepted)
-
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(out.pop("extra"))
