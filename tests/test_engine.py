@@ -676,6 +676,30 @@ def test_a_rounds_time_is_split_by_phase(tmp_path_factory: pytest.TempPathFactor
     assert "phase_shares" in stats.to_dict()
 
 
+def test_the_lm_head_counts_as_the_forward(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The logits (the LM head over a round's rows) are the forward's last layer: their time is
+    the "forward" phase's, not "other" (a slow LM head shows there, every round)."""
+    import time
+
+    loaded = load_model(str(tiny_chat_llama(tmp_path_factory.mktemp("tiny-head"))), progress=False)
+    logits = loaded.model.logits
+
+    def slow_logits(hidden: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.005)
+        return logits(hidden)
+
+    monkeypatch.setattr(loaded.model, "logits", slow_logits)
+    stats = (
+        Generator(loaded, spec=SpecConfig("ar"))
+        .generate("1 2 3", config=GenerationConfig(max_new_tokens=6, ignore_eos=True))
+        .stats
+    )
+    assert stats.phase_seconds["forward"] >= 0.005 * stats.target_forwards
+    assert stats.verify_seconds >= 0.005 * stats.target_forwards
+
+
 def test_drafts_are_counted_by_source(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Every drafted and accepted token is counted under its source family, a SPORK tree's
     nodes under the source that proposed them: the counts add up to the run's totals."""

@@ -468,11 +468,7 @@ class Scheduler:
         capture = tuple(sorted(layers))
         t0 = time.perf_counter()
         hidden, captured = self.model.forward_batch(work.segments, capture)  # [T, D]
-        spent = time.perf_counter() - t0
-        for running, _ in work.rounds:  # each waited for the whole forward
-            running.req.stats.verify_seconds += spent
-            phases = running.req.stats.phase_seconds
-            phases["forward"] = phases.get("forward", 0.0) + spent
+        _charge_forward(work, t0)
         return hidden, captured, capture
 
     def _postprocess(
@@ -488,7 +484,9 @@ class Scheduler:
         for seg in work.segments:
             spans.append((row, row + len(seg.tokens)))
             row += len(seg.tokens)
+        t0 = time.perf_counter()
         logits = self._logits(work, hidden, spans)
+        _charge_forward(work, t0)  # the LM head is the forward's last layer
         out = []
         for i, (running, planned) in enumerate(work.rounds):
             a, b = spans[i]
@@ -611,6 +609,16 @@ def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows and rows == list(range(rows[0], rows[0] + len(rows))):
         return hidden[rows[0] : rows[0] + len(rows)]
     return hidden[rows]
+
+
+def _charge_forward(work: _Work, since: float) -> None:
+    """Count the time since `since` (a perf_counter reading) as every round's "forward":
+    each request waited for the whole of it."""
+    spent = time.perf_counter() - since
+    for running, _ in work.rounds:
+        running.req.stats.verify_seconds += spent
+        phases = running.req.stats.phase_seconds
+        phases["forward"] = phases.get("forward", 0.0) + spent
 
 
 def _trace_phases(req: Request, before: dict[str, float]) -> None:
