@@ -21,17 +21,27 @@ from gguf import quants
 from specfork.kernels import load_kernels
 from specfork.kernels.pack import Kind, pack_float, pack_gguf, pack_q4, pack_q8
 from specfork.loading.dequant import dequantize
+from tiny_models import K_QUANT_F16, k_quant_blocks
 
 K = load_kernels()
 pytestmark = pytest.mark.skipif(K is None, reason="the kernels cannot be built here")
 
-GGUF_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)
+GGUF_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K)
+
+
+def cols(which: T | Kind, k: int) -> int:
+    """k, or the next multiple of 256 for a K-quant (its super-blocks hold 256 inputs)."""
+    return -(-k // 256) * 256 if which in K_QUANT_F16 else k
 
 
 def gguf_blob(qtype: T, n: int, k: int, seed: int = 0) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """A random weight [n, k] quantized by gguf-py: its kind, packed bytes and float values."""
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
-    raw = quants.quantize(w, qtype)  # [n, bytes per row]
+    """A random weight [n, k] in qtype's blocks (quantized by gguf-py where it can): its kind,
+    packed bytes and float values (gguf-py's dequantization)."""
+    if qtype in K_QUANT_F16:
+        raw = k_quant_blocks(qtype, n, k, seed)
+    else:
+        w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
+        raw = quants.quantize(w, qtype)  # [n, bytes per row]
     kind, data = pack_gguf(torch.from_numpy(raw.copy()), qtype, n, k)
     return int(kind), data, dequantize(raw, qtype, (n, k))
 
@@ -58,7 +68,7 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
 def test_gguf_blocks_are_kept_bit_for_bit(qtype: T) -> None:
-    packed, ref = gguf_weight(qtype, 40, 96)  # 40 rows: the last tile is padded
+    packed, ref = gguf_weight(qtype, 40, cols(qtype, 96))  # 40 rows: the last tile is padded
     assert torch.equal(K.unpack(packed), ref)
 
 
@@ -71,8 +81,9 @@ def test_float_layouts_round_trip(kind: Kind) -> None:
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
 def test_quantized_products(qtype: T) -> None:
     """y = int8(x) W^T with exact integer block sums: float64 reference within 1e-5."""
-    packed, w = gguf_weight(qtype, 70, 128, seed=3)
-    x = torch.randn(9, 128)
+    k = cols(qtype, 128)
+    packed, w = gguf_weight(qtype, 70, k, seed=3)
+    x = torch.randn(9, k)
     ref = int8_rows(x).double() @ w.double().T
     got = K.packed_linear(packed, x).double()
     assert (got - ref).abs().max() < 1e-5 * ref.abs().max()
@@ -99,8 +110,9 @@ def any_weight(which: T | Kind, n: int, k: int) -> object:
 @pytest.mark.parametrize("which", ALL_KINDS, ids=lambda t: t.name)
 def test_rows_are_batch_invariant(which: T | Kind) -> None:
     """Every row count 1-33 and any row order give each row bitwise the same output."""
-    packed = any_weight(which, 48, 160)
-    x = torch.randn(33, 160)
+    k = cols(which, 160)
+    packed = any_weight(which, 48, k)
+    x = torch.randn(33, k)
     full = K.packed_linear(packed, x)
     for rows in range(1, 34):
         assert torch.equal(K.packed_linear(packed, x[:rows]), full[:rows]), rows
@@ -113,8 +125,9 @@ def test_rows_are_batch_invariant(which: T | Kind) -> None:
 @pytest.mark.parametrize("which", ALL_KINDS, ids=lambda t: t.name)
 def test_thread_count_does_not_change_results(which: T | Kind) -> None:
     """The kernels' own pool (csrc/pool.h) at 1, 2 and 3 threads, fixed or adaptive."""
-    packed = any_weight(which, 64, 96)
-    x = torch.randn(6, 96)
+    k = cols(which, 96)
+    packed = any_weight(which, 64, k)
+    x = torch.randn(6, k)
     before = K.threads()
     try:
         K.set_threads(1, False)
@@ -159,12 +172,12 @@ def test_lower_isas_compute_the_same_integer_and_fp32_products(tmp_path, isa: st
     if not best.startswith(("avx512", "avx2")):
         pytest.skip("this CPU runs the portable path alone")
     cases, expected = [], []
-    blobs = [gguf_blob(qtype, 40, 96)[:2] for qtype in GGUF_TYPES]
-    blobs.append((int(Kind.F32), pack_float(torch.randn(40, 96), Kind.F32)))
-    for kind, blob in blobs:
-        x = torch.randn(37, 96)
-        cases.append((kind, 40, 96, blob, x))
-        expected.append(K.packed_linear(K.Packed(kind, 40, 96, blob), x))
+    blobs = [(*gguf_blob(qtype, 40, cols(qtype, 96))[:2], cols(qtype, 96)) for qtype in GGUF_TYPES]
+    blobs.append((int(Kind.F32), pack_float(torch.randn(40, 96), Kind.F32), 96))
+    for kind, blob, k in blobs:
+        x = torch.randn(37, k)
+        cases.append((kind, 40, k, blob, x))
+        expected.append(K.packed_linear(K.Packed(kind, 40, k, blob), x))
     torch.save(cases, tmp_path / "in.pt")
     env = {**os.environ, "SPECFORK_ISA": isa}
     subprocess.run(

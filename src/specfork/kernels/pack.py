@@ -1,8 +1,9 @@
 """Weights laid out for the kernels (csrc/gemm.h describes each layout).
 
 A weight [n, k] becomes tiles of 16 output rows, each a run of blocks of 32 inputs. GGUF's
-Q4_0, Q4_1 and Q8_0 blocks are re-laid out bit for bit (the model llama.cpp runs); float
-weights are stored as bf16 or fp32. Every function returns a flat uint8 tensor.
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks are re-laid out bit for bit (the model llama.cpp
+runs: every weight's value is the one `gguf` dequantizes); float weights are stored as bf16 or
+fp32. Every function returns a flat uint8 tensor.
 """
 
 from __future__ import annotations
@@ -22,13 +23,18 @@ class Kind(IntEnum):
     Q8 = 1
     BF16 = 2
     F32 = 3
+    Q4F = 4  # Q4 with float32 scales and mins (a K-quant sub-block's are exact only there)
+    Q8H = 5  # Q8 with a float32 scale per 16 inputs
 
 
 #: GGUF block types the kernels run as they are, and the kind each becomes.
 GGUF_KINDS = {
     GGMLQuantizationType.Q4_0: Kind.Q4,
     GGMLQuantizationType.Q4_1: Kind.Q4,
+    GGMLQuantizationType.Q5_0: Kind.Q8,  # 5-bit codes minus 16 are int8 codes
     GGMLQuantizationType.Q8_0: Kind.Q8,
+    GGMLQuantizationType.Q4_K: Kind.Q4F,
+    GGMLQuantizationType.Q6_K: Kind.Q8H,  # 6-bit codes minus 32, a scale per 16
 }
 
 
@@ -63,7 +69,10 @@ def _tiles(x: torch.Tensor, tiles: int, nb: int) -> torch.Tensor:
 
 
 def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """4-bit codes [n, k] (0-15) with value d*q + m, d and m float16 [n, k/32], as Q4 tiles."""
+    """4-bit codes [n, k] (0-15) with value d*q + m, d and m [n, k/32], as Q4 tiles (d and m
+    float16) or Q4F tiles (float32)."""
+    if d.dtype != m.dtype or d.dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"Q4 scales are float16 or float32 alike, not {d.dtype} and {m.dtype}")
     k = codes.shape[1]
     codes, d, m = _pad_rows(codes), _pad_rows(d), _pad_rows(m)
     tiles, nb = codes.shape[0] // TILE, k // BLOCK
@@ -71,7 +80,7 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tens
     byte = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [n, nb, 4, 4]: inputs 8i+j and 8i+4+j
     nibbles = _tiles(byte, tiles, nb).permute(0, 1, 3, 2, 4)  # [tiles, nb, 4, 16 cols, 4]
     scales = torch.stack((_tiles(d, tiles, nb), _tiles(m, tiles, nb)), dim=2)  # [t, nb, 2, 16]
-    scale_bytes = scales.contiguous().view(torch.uint8).view(tiles, nb, 64)
+    scale_bytes = scales.contiguous().view(torch.uint8).view(tiles, nb, -1)
     return torch.cat((nibbles.reshape(tiles, nb, 256), scale_bytes), dim=-1).view(-1)
 
 
@@ -86,20 +95,84 @@ def pack_q8(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.cat((vectors.reshape(tiles, nb, 512), scales), dim=-1).view(-1)
 
 
+def pack_q8h(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """int8 codes [n, k] with value d*q, d float32 [n, k/16] (a scale per 16 inputs), as Q8H
+    tiles: Q8's codes, then the scales of every block's first halves, then its second's."""
+    n, k = codes.shape
+    q8 = pack_q8(codes, torch.zeros(n, k // BLOCK, dtype=torch.float16))
+    tiles, nb = q8.numel() // (544 * (k // BLOCK)), k // BLOCK
+    vectors = q8.view(tiles, nb, 544)[..., :512]
+    halves = _tiles(_pad_rows(d.float()).view(-1, nb, 2), tiles, nb)  # [tiles, nb, 16, 2]
+    scales = halves.transpose(2, 3).contiguous().view(torch.uint8).view(tiles, nb, 128)
+    return torch.cat((vectors, scales), dim=-1).view(-1)
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 bytes of 6-bit scales and mins [..., 12] as two [..., 8] (ggml's layout)."""
+    s = scales.long().view(*scales.shape[:-1], 3, 4)
+    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+def _pack_q5_0(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q5_0 blocks [n, nb, 22] (d, 32 high bits, 16 bytes of low nibbles) as Q8 tiles."""
+    high = blocks[..., 2:6].long()  # [n, nb, 4]: bit j of the little-endian word is input j
+    bits = torch.arange(32)
+    top = (high[..., bits // 8] >> (bits % 8)) & 1  # [n, nb, 32]
+    qs = blocks[..., 6:22].long()
+    low = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # inputs 0-15, then 16-31
+    codes = (low | (top << 4)) - 16  # [n, nb, 32] in -16..15
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
+    return pack_q8(codes.to(torch.int8).view(n, k), d)
+
+
+def _pack_q4_k(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q4_K super-blocks [n, nb, 144] (d, dmin, 12 bytes of scales, 128 of nibbles) as Q4F
+    tiles: sub-block j's value d*sc[j]*q - dmin*m[j] with its scale and min in float32."""
+    f16 = lambda at: blocks[..., at : at + 2].contiguous().view(torch.float16).float()  # noqa: E731
+    sc, mn = _k_scales(blocks[..., 4:16])  # [n, nb, 8]
+    d = f16(0) * sc.float()  # [n, nb, 8]: exact (an fp16 times a 6-bit integer)
+    m = -(f16(2) * mn.float())
+    qs = blocks[..., 16:].contiguous().view(n, -1, 4, 1, 32)  # chunk i: sub-blocks 2i, 2i+1
+    codes = torch.cat((qs & 0x0F, qs >> 4), dim=3).view(n, k)
+    return pack_q4(codes, d.view(n, -1), m.view(n, -1))
+
+
+def _pack_q6_k(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q6_K super-blocks [n, nb, 210] (128 bytes of low nibbles, 64 of high bit pairs, 16
+    int8 scales, d) as Q8H tiles: value d*scale[i]*(q - 32) for the 16 inputs of scale i."""
+    ql = blocks[..., :128].contiguous().view(n, -1, 2, 1, 64)
+    low = torch.cat((ql & 0x0F, ql >> 4), dim=3).view(n, -1, 8, 32)
+    qh = blocks[..., 128:192].contiguous().view(n, -1, 2, 1, 32).long()
+    high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3).view(n, -1, 8, 32)
+    codes = (low.long() | (high << 4)) - 32  # [n, nb, 8, 32] in -32..31
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [n, nb, 16]
+    d = blocks[..., 208:210].contiguous().view(torch.float16).float()  # [n, nb, 1]
+    return pack_q8h(codes.to(torch.int8).view(n, k), (d * scales).view(n, -1))
+
+
 def pack_gguf(
     raw: torch.Tensor, kind: GGMLQuantizationType, n: int, k: int
 ) -> tuple[Kind, torch.Tensor]:
     """GGUF blocks (the tensor's raw bytes) of a weight [n, k] as kernel tiles, bit for bit."""
+    if kind not in GGUF_KINDS:
+        raise ValueError(f"GGUF type {kind.name} has no kernel layout")
     block_size, type_size = GGML_QUANT_SIZES[kind]
     blocks = raw.reshape(-1).view(torch.uint8).view(n, k // block_size, type_size)
     f16 = lambda at: blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0]  # noqa: E731
     if kind == GGMLQuantizationType.Q8_0:
         return Kind.Q8, pack_q8(blocks[..., 2:].contiguous().view(torch.int8).view(n, k), f16(0))
-    if kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
-        head = 2 if kind == GGMLQuantizationType.Q4_0 else 4
-        qs = blocks[..., head:]  # [n, nb, 16]: low nibbles are inputs 0-15, high ones 16-31
-        codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1).view(n, k)
-        d = f16(0)
-        m = (-8.0 * d.float()).half() if kind == GGMLQuantizationType.Q4_0 else f16(2)
-        return Kind.Q4, pack_q4(codes, d, m)
-    raise ValueError(f"GGUF type {kind.name} has no kernel layout")
+    if kind == GGMLQuantizationType.Q5_0:
+        return Kind.Q8, _pack_q5_0(blocks, n, k)
+    if kind == GGMLQuantizationType.Q4_K:
+        return Kind.Q4F, _pack_q4_k(blocks, n, k)
+    if kind == GGMLQuantizationType.Q6_K:
+        return Kind.Q8H, _pack_q6_k(blocks, n, k)
+    head = 2 if kind == GGMLQuantizationType.Q4_0 else 4
+    qs = blocks[..., head:]  # [n, nb, 16]: low nibbles are inputs 0-15, high ones 16-31
+    codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1).view(n, k)
+    d = f16(0)
+    m = (-8.0 * d.float()).half() if kind == GGMLQuantizationType.Q4_0 else f16(2)
+    return Kind.Q4, pack_q4(codes, d, m)

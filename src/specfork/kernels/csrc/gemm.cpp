@@ -14,6 +14,8 @@ int64_t block_bytes(Kind kind) {
     case Kind::Q8: return 544;
     case Kind::BF16: return 1024;
     case Kind::F32: return 2048;
+    case Kind::Q4F: return 384;
+    case Kind::Q8H: return 640;
   }
   throw std::invalid_argument("unknown weight kind");
 }
@@ -117,7 +119,7 @@ static void quantize_any(int isa, const float* x, int8_t* q, float* d, float* ds
 
 void Activations::need(Kind kind) {
   const int isa = isa_level();
-  if ((kind == Kind::Q4 || kind == Kind::Q8) && !have_q_) {
+  if (int8_kind(kind) && !have_q_) {
     const int64_t nb = k / kBlock;
     q.resize(rows * k);
     d.resize(rows * nb);
@@ -137,6 +139,16 @@ void Activations::need(Kind kind) {
       quantize_rows(0, rows);
     have_q_ = true;
   }
+  if (kind == Kind::Q8H && !have_s16_) {
+    s16.resize(rows * k / 16);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < k / 16; ++h) {
+        int32_t sum = 0;
+        for (int j = 0; j < 16; ++j) sum += q[r * k + 16 * h + j];
+        s16[r * (k / 16) + h] = sum;
+      }
+    have_s16_ = true;
+  }
   if (kind == Kind::BF16 && !have_bf_) {
     bf.resize(rows * k);
     for (int64_t r = 0; r < rows; ++r) {
@@ -154,6 +166,29 @@ void Activations::need(Kind kind) {
 
 // -- generic kernels (any CPU; same arithmetic as the vector kernels for Q4, Q8 and F32) ---------
 
+// Code j of column c in a block of Q4/Q4F nibbles or Q8/Q8H codes (stored q+128 for Q8s).
+static int32_t code_at(Kind kind, const uint8_t* p, int c, int j) {
+  if (q4_layout(kind)) {
+    const int g = j / 4;
+    const uint8_t byte = p[64 * (g / 2) + 4 * c + j % 4];
+    return g % 2 == 0 ? (byte & 0x0f) : (byte >> 4);
+  }
+  return p[64 * (j / 4) + 4 * c + j % 4];
+}
+
+// Column c's scale and min of a Q4/Q4F block (fp16 or float32 after the nibbles).
+static float q4_scale(Kind kind, const uint8_t* p, int c, int which) {
+  if (kind == Kind::Q4) return f16_to_f32(reinterpret_cast<const uint16_t*>(p + 256)[16 * which + c]);
+  return reinterpret_cast<const float*>(p + 256)[16 * which + c];
+}
+
+// The integer sum of codes j0..j1-1 of column c times the row's int8 activations.
+static int32_t int_sum(Kind kind, const uint8_t* p, const int8_t* xq, int c, int j0, int j1) {
+  int32_t isum = 0;
+  for (int j = j0; j < j1; ++j) isum += code_at(kind, p, c, j) * xq[j];
+  return isum;
+}
+
 static void tile_generic(const PackedLinear& w, const Activations& a, int64_t tile, int64_t r,
                          float acc[kTile]) {
   const int64_t nb = w.k / kBlock, bytes = block_bytes(w.kind);
@@ -161,28 +196,29 @@ static void tile_generic(const PackedLinear& w, const Activations& a, int64_t ti
   for (int c = 0; c < kTile; ++c) acc[c] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = base + b * bytes;
-    if (w.kind == Kind::Q4 || w.kind == Kind::Q8) {
+    const int64_t at = r * nb + b;
+    if (q4_layout(w.kind)) {
       const int8_t* xq = &a.q[r * w.k + b * kBlock];
-      const float dx = a.d[r * nb + b];
-      const uint16_t* dw = reinterpret_cast<const uint16_t*>(p + (w.kind == Kind::Q4 ? 256 : 512));
       for (int c = 0; c < kTile; ++c) {
-        int32_t isum = 0;
-        for (int j = 0; j < kBlock; ++j) {
-          int32_t code;
-          if (w.kind == Kind::Q4) {
-            const int g = j / 4;
-            const uint8_t byte = p[64 * (g / 2) + 4 * c + j % 4];
-            code = g % 2 == 0 ? (byte & 0x0f) : (byte >> 4);
-          } else {
-            code = p[64 * (j / 4) + 4 * c + j % 4];
-          }
-          isum += code * xq[j];
-        }
-        if (w.kind == Kind::Q8) isum -= 128 * a.s[r * nb + b];
-        const float scale = f16_to_f32(dw[c]) * dx;
-        acc[c] = std::fma(static_cast<float>(isum), scale, acc[c]);
-        if (w.kind == Kind::Q4) acc[c] = std::fma(f16_to_f32(dw[16 + c]), a.ds[r * nb + b], acc[c]);
+        const float scale = q4_scale(w.kind, p, c, 0) * a.d[at];
+        acc[c] = std::fma(static_cast<float>(int_sum(w.kind, p, xq, c, 0, kBlock)), scale, acc[c]);
+        acc[c] = std::fma(q4_scale(w.kind, p, c, 1), a.ds[at], acc[c]);
       }
+    } else if (w.kind == Kind::Q8) {
+      const int8_t* xq = &a.q[r * w.k + b * kBlock];
+      const uint16_t* dw = reinterpret_cast<const uint16_t*>(p + 512);
+      for (int c = 0; c < kTile; ++c) {
+        const int32_t isum = int_sum(w.kind, p, xq, c, 0, kBlock) - 128 * a.s[at];
+        acc[c] = std::fma(static_cast<float>(isum), f16_to_f32(dw[c]) * a.d[at], acc[c]);
+      }
+    } else if (w.kind == Kind::Q8H) {
+      const int8_t* xq = &a.q[r * w.k + b * kBlock];
+      const float* dw = reinterpret_cast<const float*>(p + 512);  // [2 halves][16 columns]
+      for (int c = 0; c < kTile; ++c)
+        for (int h = 0; h < 2; ++h) {
+          const int32_t isum = int_sum(w.kind, p, xq, c, 16 * h, 16 * h + 16) - 128 * a.s16[2 * at + h];
+          acc[c] = std::fma(static_cast<float>(isum), dw[16 * h + c] * a.d[at], acc[c]);
+        }
     } else if (w.kind == Kind::BF16) {
       const uint16_t* wv = reinterpret_cast<const uint16_t*>(p);
       const uint16_t* xb = &a.bf[r * w.k + b * kBlock];
@@ -240,14 +276,23 @@ SF_AVX512 static inline void prefetch_block(const uint8_t* p, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(p + kAhead + at), _MM_HINT_T1);
 }
 
-template <int RT>
+// Column scales of a block, 16 of them at `at`: fp16 (Q4, Q8) or float32 (Q4F, Q8H).
+template <bool F32>
+SF_AVX512 static inline __m512 scales16(const uint8_t* at) {
+  if constexpr (F32) return _mm512_loadu_ps(at);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+}
+
+// Q4 (F32 = false) and Q4F (F32 = true): the same nibbles, fp16 or float32 scales and mins.
+template <int RT, bool F32>
 SF_AVX512 static void q4_avx512(const uint8_t* wt, int64_t nb, const Activations& a, int64_t r0,
                                 __m512* acc) {
+  constexpr int64_t bytes = F32 ? 384 : 320, scale_bytes = F32 ? 64 : 32;
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = wt + b * 320;
-    if constexpr (RT >= 6) prefetch_block(p, 320);
+    const uint8_t* p = wt + b * bytes;
+    if constexpr (RT >= 6) prefetch_block(p, bytes);
     __m512i w[8], s[RT];
     for (int i = 0; i < 4; ++i) {
       const __m512i v = _mm512_loadu_si512(p + 64 * i);
@@ -255,8 +300,7 @@ SF_AVX512 static void q4_avx512(const uint8_t* wt, int64_t nb, const Activations
       w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
     dot_block<RT>(w, a, r0, b * kBlock, s);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
+    const __m512 d = scales16<F32>(p + 256), m = scales16<F32>(p + 256 + scale_bytes);
     for (int r = 0; r < RT; ++r) {
       const int64_t at = (r0 + r) * nb + b;
       const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d[at]));
@@ -276,12 +320,42 @@ SF_AVX512 static void q8_avx512(const uint8_t* wt, int64_t nb, const Activations
     __m512i w[8], s[RT];
     for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(p + 64 * g);
     dot_block<RT>(w, a, r0, b * kBlock, s);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 512)));
+    const __m512 d = scales16<false>(p + 512);
     for (int r = 0; r < RT; ++r) {
       const int64_t at = (r0 + r) * nb + b;
       const __m512i fixed = _mm512_sub_epi32(s[r], _mm512_set1_epi32(128 * a.s[at]));
       const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d[at]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fixed), scale, acc[r]);
+    }
+  }
+}
+
+// Q8H: Q8's codes with a float32 scale per half block; each half's integer sum is scaled on
+// its own, the first half's before the second's.
+template <int RT>
+SF_AVX512 static void q8h_avx512(const uint8_t* wt, int64_t nb, const Activations& a, int64_t r0,
+                                 __m512* acc) {
+  for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = wt + b * 640;
+    if constexpr (RT >= 6) prefetch_block(p, 640);
+    __m512i w[8], half[2][RT];
+    for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(p + 64 * g);
+    for (int r = 0; r < RT; ++r) half[0][r] = half[1][r] = _mm512_setzero_si512();
+    for (int g = 0; g < 4; ++g)
+      for (int r = 0; r < RT; ++r) {
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(&a.q[(r0 + r) * a.k + b * kBlock]);
+        half[0][r] = _mm512_dpbusd_epi32(half[0][r], w[g], _mm512_set1_epi32(x4[g]));
+        half[1][r] = _mm512_dpbusd_epi32(half[1][r], w[g + 4], _mm512_set1_epi32(x4[g + 4]));
+      }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 d = scales16<true>(p + 512 + 64 * h);
+      for (int r = 0; r < RT; ++r) {
+        const int64_t at = (r0 + r) * nb + b;
+        const __m512i fixed = _mm512_sub_epi32(half[h][r], _mm512_set1_epi32(128 * a.s16[2 * at + h]));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d[at]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fixed), scale, acc[r]);
+      }
     }
   }
 }
@@ -355,8 +429,10 @@ SF_AVX512BF16 static void rows_avx512(const PackedLinear& w, const Activations& 
   const uint8_t* wt = w.data + tile * nb * block_bytes(w.kind);
   __m512 acc[RT];
   switch (w.kind) {
-    case Kind::Q4: q4_avx512<RT>(wt, nb, a, r0, acc); break;
+    case Kind::Q4: q4_avx512<RT, false>(wt, nb, a, r0, acc); break;
+    case Kind::Q4F: q4_avx512<RT, true>(wt, nb, a, r0, acc); break;
     case Kind::Q8: q8_avx512<RT>(wt, nb, a, r0, acc); break;
+    case Kind::Q8H: q8h_avx512<RT>(wt, nb, a, r0, acc); break;
     case Kind::F32: f32_avx512<RT>(wt, nb, a, r0, acc); break;
     case Kind::BF16:
       if (has_avx512bf16())
@@ -405,10 +481,11 @@ SF_AVX512BF16 static void tiles_avx512(const PackedLinear& w, const Activations&
 }
 
 #if SF_HAVE_AMX
-// -- AMX int8 kernels: Q4 and Q8, 16 rows at a time ----------------------------------------------
+// -- AMX int8 kernels: Q4, Q4F and Q8, 16 rows at a time -----------------------------------------
 // One tile product per block of 32 inputs (tdpbsud: signed int8 activations times the unsigned
 // codes) gives the block's exact integer sums for 16 rows and 16 columns, the very sums
 // dot_block makes; the float steps after it are q4_avx512's and q8_avx512's in the same order.
+// (Q8H's halves take the AVX-512 path at every row count.)
 // So every row gets the AVX-512 path's bits, whichever path ran it.
 
 struct alignas(64) TileConfig {
@@ -430,11 +507,11 @@ SF_AMX static void amx_configure() {
 
 // Q4 codes of one tile's blocks as tile rows: [nb][8 groups][64] bytes (low nibbles are even
 // groups, high nibbles odd ones).
-SF_AMX static void unpack_q4_tile(const uint8_t* wt, int64_t nb, uint8_t* out) {
+SF_AMX static void unpack_q4_tile(const uint8_t* wt, int64_t nb, int64_t bytes, uint8_t* out) {
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t b = 0; b < nb; ++b)
     for (int i = 0; i < 4; ++i) {
-      const __m512i v = _mm512_loadu_si512(wt + b * 320 + 64 * i);
+      const __m512i v = _mm512_loadu_si512(wt + b * bytes + 64 * i);
       uint8_t* row = out + 512 * b + 128 * i;
       _mm512_storeu_si512(row, _mm512_and_si512(v, low));
       _mm512_storeu_si512(row + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
@@ -445,10 +522,11 @@ SF_AMX static void unpack_q4_tile(const uint8_t* wt, int64_t nb, uint8_t* out) {
 SF_AMX static inline void scale_block(const PackedLinear& w, const uint8_t* wt, int64_t nb,
                                       const Activations& a, int64_t r0, int64_t b,
                                       const int32_t (*sums)[16], __m512* acc) {
-  if (w.kind == Kind::Q4) {
-    const uint8_t* p = wt + b * 320;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
+  if (q4_layout(w.kind)) {
+    const bool f32 = w.kind == Kind::Q4F;
+    const uint8_t* p = wt + b * block_bytes(w.kind);
+    const __m512 d = f32 ? scales16<true>(p + 256) : scales16<false>(p + 256);
+    const __m512 m = f32 ? scales16<true>(p + 320) : scales16<false>(p + 288);
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
       const int64_t at = (r0 + r) * nb + b;
@@ -458,7 +536,7 @@ SF_AMX static inline void scale_block(const PackedLinear& w, const uint8_t* wt, 
     }
   } else {
     const uint8_t* p = wt + b * 544;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 512)));
+    const __m512 d = scales16<false>(p + 512);
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
       const int64_t at = (r0 + r) * nb + b;
@@ -528,13 +606,14 @@ SF_AMX static void tiles_amx(const PackedLinear& w, const Activations& a, int64_
                              float* y, int64_t ldy) {
   amx_configure();
   const int64_t nb = w.k / kBlock, bytes = block_bytes(w.kind);
-  std::vector<uint8_t> unpacked(w.kind == Kind::Q4 ? 512 * nb : 0);  // [nb][8][64] tile rows
+  const bool q4 = q4_layout(w.kind);
+  std::vector<uint8_t> unpacked(q4 ? 512 * nb : 0);  // [nb][8][64] tile rows
   __m512 acc[16];
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = w.data + t * nb * bytes;
-    if (w.kind == Kind::Q4) unpack_q4_tile(wt, nb, unpacked.data());
-    const uint8_t* codes = w.kind == Kind::Q4 ? unpacked.data() : wt;
-    const int64_t stride = w.kind == Kind::Q4 ? 512 : bytes;
+    if (q4) unpack_q4_tile(wt, nb, bytes, unpacked.data());
+    const uint8_t* codes = q4 ? unpacked.data() : wt;
+    const int64_t stride = q4 ? 512 : bytes;
     int64_t r = 0;
     for (; r + 16 <= a.rows; r += 16) {
       group_amx(w, wt, codes, stride, nb, a, r, acc);
@@ -567,7 +646,7 @@ static void tiles_of(const PackedLinear& w, const Activations& a, int64_t t0, in
                      int64_t ldy) {
   const int isa = isa_level();
 #if SF_HAVE_AMX
-  if (isa == kAvx512 && a.rows >= kAmxRows && (w.kind == Kind::Q4 || w.kind == Kind::Q8) &&
+  if (isa == kAvx512 && a.rows >= kAmxRows && w.kind != Kind::Q8H && int8_kind(w.kind) &&
       has_amx_int8())
     return tiles_amx(w, a, t0, t1, y, ldy);
 #endif
@@ -606,15 +685,15 @@ void unpack_row(const PackedLinear& w, int64_t row, float* out) {
     const uint8_t* p = w.data + (tile * nb + b) * bytes;
     for (int j = 0; j < kBlock; ++j) {
       float v;
-      if (w.kind == Kind::Q4) {
-        const int g = j / 4, i = g / 2;
-        const uint8_t byte = p[64 * i + 4 * c + j % 4];
-        const int code = g % 2 == 0 ? (byte & 0x0f) : (byte >> 4);
-        const uint16_t* dm = reinterpret_cast<const uint16_t*>(p + 256);
-        v = std::fma(f16_to_f32(dm[c]), static_cast<float>(code), f16_to_f32(dm[16 + c]));
+      if (q4_layout(w.kind)) {
+        v = std::fma(q4_scale(w.kind, p, c, 0), static_cast<float>(code_at(w.kind, p, c, j)),
+                     q4_scale(w.kind, p, c, 1));
       } else if (w.kind == Kind::Q8) {
-        const int code = static_cast<int>(p[64 * (j / 4) + 4 * c + j % 4]) - 128;
+        const int code = code_at(w.kind, p, c, j) - 128;
         v = f16_to_f32(reinterpret_cast<const uint16_t*>(p + 512)[c]) * static_cast<float>(code);
+      } else if (w.kind == Kind::Q8H) {
+        const int code = code_at(w.kind, p, c, j) - 128;
+        v = reinterpret_cast<const float*>(p + 512)[16 * (j / 16) + c] * static_cast<float>(code);
       } else if (w.kind == Kind::BF16) {
         v = bf16_to_f32(reinterpret_cast<const uint16_t*>(p)[32 * (j / 2) + 2 * c + j % 2]);
       } else {

@@ -9,9 +9,14 @@
 //        vector g: column c, input 4g+j), then 32 bytes of d.
 //   BF16: 16 vectors of 64 (bf16 element 2c+e of vector p: column c, input 2p+e).
 //   F32:  32 vectors of 64 (float c of vector i: column c, input i).
-// Q4 and Q8 multiply int8 activations (one scale per row and block of 32, as llama.cpp does)
-// with integer dot products; the float accumulation over blocks runs in block order, one
-// output at a time, whatever the number of rows or threads.
+//   Q4F  (GGUF Q4_K): Q4's nibbles, then float32 d and m (64 bytes each): a K-quant sub-block's
+//        scale d*sc and min -dmin*m are exact in float32, not in fp16.
+//   Q8H  (GGUF Q6_K): Q8's codes (q+128), then float32 d of inputs 0-15 and of inputs 16-31
+//        (64 bytes each): Q6_K scales every 16 inputs.
+// Q4, Q8, Q4F and Q8H multiply int8 activations (one scale per row and block of 32, as
+// llama.cpp does) with integer dot products; the float accumulation over blocks runs in block
+// order (Q8H: the block's first half, then its second), one output at a time, whatever the
+// number of rows or threads.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +24,12 @@
 
 namespace sf {
 
-enum class Kind : int64_t { Q4 = 0, Q8 = 1, BF16 = 2, F32 = 3 };
+enum class Kind : int64_t { Q4 = 0, Q8 = 1, BF16 = 2, F32 = 3, Q4F = 4, Q8H = 5 };
+
+// Kinds whose products take int8 activations (`Activations::q`).
+inline bool int8_kind(Kind k) { return k != Kind::BF16 && k != Kind::F32; }
+// Q4 and Q4F: 4-bit codes with a scale and a min; Q8 and Q8H: int8 codes stored as q+128.
+inline bool q4_layout(Kind k) { return k == Kind::Q4 || k == Kind::Q4F; }
 
 constexpr int64_t kTile = 16;   // output columns per tile
 constexpr int64_t kBlock = 32;  // inputs per block
@@ -46,10 +56,11 @@ class Activations {
   std::vector<int8_t> q;
   std::vector<float> d, ds;
   std::vector<int32_t> s;
+  std::vector<int32_t> s16;  // sum(q) of each half block [rows, k/16] (for Q8H)
   std::vector<uint16_t> bf;  // bf16 copy [rows, k]
 
  private:
-  bool have_q_ = false, have_bf_ = false;
+  bool have_q_ = false, have_bf_ = false, have_s16_ = false;
 };
 
 // y[r, 0:n] = x[r] . W^T (+ bias) for every row; y has row stride ldy.

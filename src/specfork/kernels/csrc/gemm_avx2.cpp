@@ -41,14 +41,22 @@ SF_AVX2 inline __m256i broadcast4(const int8_t* q) {  // 4 int8 codes in every 3
 // of a code (0..15) and an activation (-127..127), |.| <= 3810, so the 8 groups' sum stays
 // within 30480 and no saturation occurs: one madd per block then gives the exact int32 sums
 // that a madd per group gives.
-template <int RT>
+// Column scales 8h..8h+7 of a block at `at`: fp16 (Q4, Q8) or float32 (Q4F, Q8H).
+template <bool F32>
+SF_AVX2 inline __m256 scales8(const uint8_t* at, int h) {
+  if constexpr (F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(at) + 8 * h);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16 * h)));
+}
+
+template <int RT, bool F32>
 SF_AVX2 void q4_rows(const uint8_t* wt, int64_t nb, const Activations& a, int64_t r0,
                      __m256 (*acc)[2]) {
+  constexpr int64_t bytes = F32 ? 384 : 320, scale_bytes = F32 ? 64 : 32;
   const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = wt + b * 320;
-    prefetch_ahead(p, 320);
+    const uint8_t* p = wt + b * bytes;
+    prefetch_ahead(p, bytes);
     __m256i s[RT][2];
     for (int r = 0; r < RT; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) {  // vector i: inputs 8i..8i+3 (low nibbles), 8i+4.. (high)
@@ -67,8 +75,7 @@ SF_AVX2 void q4_rows(const uint8_t* wt, int64_t nb, const Activations& a, int64_
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 256 + 16 * h)));
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 288 + 16 * h)));
+      const __m256 d = scales8<F32>(p + 256, h), m = scales8<F32>(p + 256 + scale_bytes, h);
       for (int r = 0; r < RT; ++r) {
         const int64_t at = (r0 + r) * nb + b;
         const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h], ones));
@@ -79,33 +86,63 @@ SF_AVX2 void q4_rows(const uint8_t* wt, int64_t nb, const Activations& a, int64_
   }
 }
 
-// Q8 (codes stored as q+128): |q| times the activations with q's sign, a madd per group (two
-// products of up to 128*127 fill an int16 lane, so groups cannot add up in int16).
+// The exact int32 sums of groups g0..g0+3 of a Q8/Q8H block (codes stored as q+128): |q| times
+// the activations with q's sign, a madd per group (two products of up to 128*127 fill an int16
+// lane, so groups cannot add up in int16).
+template <int RT>
+SF_AVX2 inline void q8_groups(const uint8_t* p, const Activations& a, int64_t r0, int64_t b,
+                              int g0, int groups, __m256i (*s)[2]) {
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int r = 0; r < RT; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+  for (int g = g0; g < g0 + groups; ++g) {
+    const __m256i v0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * g)), flip);
+    const __m256i v1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * g + 32)), flip);
+    const __m256i abs0 = _mm256_abs_epi8(v0), abs1 = _mm256_abs_epi8(v1);
+    for (int r = 0; r < RT; ++r) {
+      const __m256i x = broadcast4(&a.q[(r0 + r) * a.k + b * kBlock + 4 * g]);
+      s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(x, v0)), ones));
+      s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(x, v1)), ones));
+    }
+  }
+}
+
+// Q8: the signed sums need no correction (the flip undoes the +128).
 template <int RT>
 SF_AVX2 void q8_rows(const uint8_t* wt, int64_t nb, const Activations& a, int64_t r0,
                      __m256 (*acc)[2]) {
-  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = wt + b * 544;
     prefetch_ahead(p, 544);
     __m256i s[RT][2];
-    for (int r = 0; r < RT; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
-    for (int g = 0; g < 8; ++g) {
-      const __m256i v0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * g)), flip);
-      const __m256i v1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * g + 32)), flip);
-      const __m256i abs0 = _mm256_abs_epi8(v0), abs1 = _mm256_abs_epi8(v1);
-      for (int r = 0; r < RT; ++r) {
-        const __m256i x = broadcast4(&a.q[(r0 + r) * a.k + b * kBlock + 4 * g]);
-        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(x, v0)), ones));
-        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(x, v1)), ones));
-      }
-    }
+    q8_groups<RT>(p, a, r0, b, 0, 8, s);
     for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 512 + 16 * h)));
+      const __m256 d = scales8<false>(p + 512, h);
       for (int r = 0; r < RT; ++r) {
         const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(a.d[(r0 + r) * nb + b]));
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), scale, acc[r][h]);
+      }
+    }
+  }
+}
+
+// Q8H: each half block's sums (groups 0-3, then 4-7) scaled on their own, as q8h_avx512 does.
+template <int RT>
+SF_AVX2 void q8h_rows(const uint8_t* wt, int64_t nb, const Activations& a, int64_t r0,
+                      __m256 (*acc)[2]) {
+  for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = wt + b * 640;
+    prefetch_ahead(p, 640);
+    for (int half = 0; half < 2; ++half) {
+      __m256i s[RT][2];
+      q8_groups<RT>(p, a, r0, b, 4 * half, 4, s);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = scales8<true>(p + 512 + 64 * half, h);
+        for (int r = 0; r < RT; ++r) {
+          const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(a.d[(r0 + r) * nb + b]));
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), scale, acc[r][h]);
+        }
       }
     }
   }
@@ -167,8 +204,10 @@ SF_AVX2 void rows_avx2(const PackedLinear& w, const Activations& a, int64_t tile
   const uint8_t* wt = w.data + tile * nb * block_bytes(w.kind);
   __m256 acc[RT][2];
   switch (w.kind) {
-    case Kind::Q4: q4_rows<RT>(wt, nb, a, r0, acc); break;
+    case Kind::Q4: q4_rows<RT, false>(wt, nb, a, r0, acc); break;
+    case Kind::Q4F: q4_rows<RT, true>(wt, nb, a, r0, acc); break;
     case Kind::Q8: q8_rows<RT>(wt, nb, a, r0, acc); break;
+    case Kind::Q8H: q8h_rows<RT>(wt, nb, a, r0, acc); break;
     case Kind::F32: f32_rows<RT>(wt, nb, a, r0, acc); break;
     case Kind::BF16: bf16_rows<RT>(wt, nb, a, r0, acc); break;
   }
