@@ -109,7 +109,7 @@ def pack_q8h(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K's 12 bytes of 6-bit scales and mins [..., 12] as two [..., 8] (ggml's layout)."""
-    s = scales.long().view(*scales.shape[:-1], 3, 4)
+    s = scales.contiguous().view(*scales.shape[:-1], 3, 4)  # uint8: every step fits
     d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
     sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
     mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
@@ -118,14 +118,14 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _pack_q5_0(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Q5_0 blocks [n, nb, 22] (d, 32 high bits, 16 bytes of low nibbles) as Q8 tiles."""
-    high = blocks[..., 2:6].long()  # [n, nb, 4]: bit j of the little-endian word is input j
+    high = blocks[..., 2:6]  # [n, nb, 4]: bit j of the little-endian word is input j
     bits = torch.arange(32)
-    top = (high[..., bits // 8] >> (bits % 8)) & 1  # [n, nb, 32]
-    qs = blocks[..., 6:22].long()
+    top = (high[..., bits // 8] >> (bits % 8).to(torch.uint8)) & 1  # [n, nb, 32]
+    qs = blocks[..., 6:22]
     low = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # inputs 0-15, then 16-31
-    codes = (low | (top << 4)) - 16  # [n, nb, 32] in -16..15
+    codes = ((low | (top << 4)).to(torch.int8) - 16).view(n, k)  # in -16..15 (uint8 math)
     d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
-    return pack_q8(codes.to(torch.int8).view(n, k), d)
+    return pack_q8(codes, d)
 
 
 def _pack_q4_k(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -145,12 +145,12 @@ def _pack_q6_k(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
     int8 scales, d) as Q8H tiles: value d*scale[i]*(q - 32) for the 16 inputs of scale i."""
     ql = blocks[..., :128].contiguous().view(n, -1, 2, 1, 64)
     low = torch.cat((ql & 0x0F, ql >> 4), dim=3).view(n, -1, 8, 32)
-    qh = blocks[..., 128:192].contiguous().view(n, -1, 2, 1, 32).long()
+    qh = blocks[..., 128:192].contiguous().view(n, -1, 2, 1, 32)
     high = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3).view(n, -1, 8, 32)
-    codes = (low.long() | (high << 4)) - 32  # [n, nb, 8, 32] in -32..31
+    codes = ((low | (high << 4)).to(torch.int8) - 32).view(n, k)  # in -32..31 (uint8 math)
     scales = blocks[..., 192:208].contiguous().view(torch.int8).float()  # [n, nb, 16]
     d = blocks[..., 208:210].contiguous().view(torch.float16).float()  # [n, nb, 1]
-    return pack_q8h(codes.to(torch.int8).view(n, k), (d * scales).view(n, -1))
+    return pack_q8h(codes, (d * scales).view(n, -1))
 
 
 def pack_gguf(
