@@ -6,93 +6,48 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from specfork.bench.random_gguf import MIXES, LlamaShape, block_type, write_random_llama
 from specfork.kernels import load_kernels
 from specfork.loading.fast import load_gguf_fast, unsupported
 from specfork.loading.gguf_index import load_index
-from tiny_models import K_QUANT_F16, k_quant_blocks
 
 K = load_kernels()
 pytestmark = pytest.mark.skipif(K is None, reason="the kernels cannot be built here")
 
-HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 96
-HEAD_DIM = HIDDEN // HEADS
-#: each matrix's block type: Q4_K_M's mix (Q4_K, Q6_K for attn_v / ffn_down / output) with
-#: Gemma 3's Q5_0 and Q8_0 beside them
-TYPES = {
+SHAPE = LlamaShape("tiny", hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, vocab=96)
+#: Q4_K_M's mix (Q4_K, Q6_K for attn_v / ffn_down / output) with Gemma 3's Q5_0 and Q8_0 and
+#: Q5_K_M's Q5_K (and Q5_1) beside them: every block type the kernels run as stored
+MIX = {
+    **MIXES["Q4_K_M"],
     "token_embd": Q.Q8_0,
-    "output": Q.Q6_K,
-    "attn_q": Q.Q4_K,
     "attn_k": Q.Q5_0,
-    "attn_v": Q.Q6_K,
-    "attn_output": Q.Q4_K,
-    "ffn_gate": Q.Q4_K,
     "ffn_up": Q.Q5_0,
-    "ffn_down": Q.Q6_K,
+    "attn_output": Q.Q5_K,
+    "ffn_gate": Q.Q5_1,
 }
-
-
-def _blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
-    if qtype in K_QUANT_F16:
-        return k_quant_blocks(qtype, n, k, seed, scale=(2e-4, 2e-3))
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    return gguf.quants.quantize(w, qtype)
-
-
-def _shapes() -> dict[str, tuple[int, int]]:
-    """GGUF tensor name → [n, k] of every matrix."""
-    per_layer = {
-        "attn_q": (HIDDEN, HIDDEN),
-        "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
-        "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN),
-        "attn_output": (HIDDEN, HIDDEN),
-        "ffn_gate": (FFN, HIDDEN),
-        "ffn_up": (FFN, HIDDEN),
-        "ffn_down": (HIDDEN, FFN),
-    }
-    out = {"token_embd.weight": (VOCAB, HIDDEN), "output.weight": (VOCAB, HIDDEN)}
-    for i in range(LAYERS):
-        out |= {f"blk.{i}.{name}.weight": shape for name, shape in per_layer.items()}
-    return out
 
 
 @pytest.fixture(scope="module")
 def k_quant_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("k-quants") / "tiny-Q4_K_M.gguf"
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(VOCAB)
-    for seed, (name, (n, k)) in enumerate(_shapes().items()):
-        qtype = TYPES[name.split(".")[-2]]
-        w.add_tensor(name, _blocks(qtype, n, k, seed), raw_dtype=qtype)
-    ones = np.ones(HIDDEN, dtype=np.float32)
-    w.add_tensor("output_norm.weight", ones)
-    for i in range(LAYERS):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_random_llama(tmp_path_factory.mktemp("k-quants") / "tiny.gguf", SHAPE, MIX)
+
+
+def test_the_mix_names_each_matrix_kind() -> None:
+    assert block_type(MIX, "blk.3.attn_v.weight") == Q.Q6_K
+    assert block_type(MIX, "blk.0.attn_q.weight") == Q.Q4_K
+    assert block_type(MIX, "token_embd.weight") == Q.Q8_0
+    assert SHAPE.parameters() == 2 * 96 * 256 + 2 * (2 * 256 * 256 + 2 * 128 * 256 + 3 * 512 * 256)
 
 
 def test_a_q4_k_m_file_runs_as_stored(k_quant_file: Path) -> None:
     """No block type of the file falls back to floats: it runs at precision "gguf"."""
     index = load_index(k_quant_file)
-    assert {t.tensor_type for t in index.entries} >= {Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0}
+    kinds = {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q8_0}
+    assert {t.tensor_type for t in index.entries} >= kinds
     assert unsupported(index) is None
     model = load_gguf_fast(k_quant_file, K, precision="gguf")
     assert model.precision == "gguf"
@@ -101,7 +56,7 @@ def test_a_q4_k_m_file_runs_as_stored(k_quant_file: Path) -> None:
 def test_k_quant_logits_match_the_dequantized_file(k_quant_file: Path) -> None:
     """The packed blocks compute what the file's dequantized float32 weights compute, up to
     the int8 activations every GGUF precision uses (llama.cpp's arithmetic)."""
-    ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.randint(0, SHAPE.vocab, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     logits = {}
     for precision in ("gguf", "float32"):
         model = load_gguf_fast(k_quant_file, K, precision=precision)

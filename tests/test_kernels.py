@@ -18,27 +18,30 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
+from specfork.bench.random_gguf import random_blocks
 from specfork.kernels import load_kernels
 from specfork.kernels.pack import Kind, pack_float, pack_gguf, pack_q4, pack_q8
 from specfork.loading.dequant import dequantize
-from tiny_models import K_QUANT_F16, k_quant_blocks
 
 K = load_kernels()
 pytestmark = pytest.mark.skipif(K is None, reason="the kernels cannot be built here")
 
-GGUF_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K)
+GGUF_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 def cols(which: T | Kind, k: int) -> int:
     """k, or the next multiple of 256 for a K-quant (its super-blocks hold 256 inputs)."""
-    return -(-k // 256) * 256 if which in K_QUANT_F16 else k
+    return -(-k // 256) * 256 if which in K_QUANTS else k
 
 
 def gguf_blob(qtype: T, n: int, k: int, seed: int = 0) -> tuple[int, torch.Tensor, torch.Tensor]:
     """A random weight [n, k] in qtype's blocks (quantized by gguf-py where it can): its kind,
     packed bytes and float values (gguf-py's dequantization)."""
-    if qtype in K_QUANT_F16:
-        raw = k_quant_blocks(qtype, n, k, seed)
+    if qtype in K_QUANTS:  # gguf-py cannot quantize these: random blocks, wide scales
+        raw = random_blocks(qtype, n, k, np.random.default_rng(seed), scale=(1e-3, 2e-2))
     else:
         w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
         raw = quants.quantize(w, qtype)  # [n, bytes per row]

@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as Q
 from transformers import PreTrainedModel
 
 VOCAB = 128
@@ -89,22 +86,3 @@ def tiny_chat_llama(
     randomize(model, seed=seed, norm_center=1.0)  # logits O(1): no accidental near-ties
     model.save_pretrained(folder)
     return folder
-
-
-#: where each K-quant super-block keeps its fp16 scales (ggml-common.h)
-K_QUANT_F16 = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-
-
-def k_quant_blocks(
-    qtype: Q, n: int, k: int, seed: int, scale: tuple[float, float] = (1e-3, 2e-2)
-) -> np.ndarray:
-    """Random K-quant blocks of a weight [n, k] as a GGUF stores them, [n, bytes per row]
-    (gguf-py cannot quantize K-quants): random codes, sub-block scales and mins, the fp16
-    super-block scales drawn from `scale`."""
-    rng = np.random.default_rng(seed)
-    size = GGML_QUANT_SIZES[qtype][1]
-    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
-    for at in K_QUANT_F16[qtype]:
-        d = rng.uniform(*scale, size=(n, k // 256)).astype(np.float16)
-        blocks[..., at : at + 2] = d.view(np.uint8).reshape(n, k // 256, 2)
-    return blocks.reshape(n, -1)

@@ -1,9 +1,9 @@
 """Weights laid out for the kernels (csrc/gemm.h describes each layout).
 
 A weight [n, k] becomes tiles of 16 output rows, each a run of blocks of 32 inputs. GGUF's
-Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks are re-laid out bit for bit (the model llama.cpp
-runs: every weight's value is the one `gguf` dequantizes); float weights are stored as bf16 or
-fp32. Every function returns a flat uint8 tensor.
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks are re-laid out bit for bit (the model
+llama.cpp runs: every weight's value is the one `gguf` dequantizes); float weights are stored
+as bf16 or fp32. Every function returns a flat uint8 tensor.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class Kind(IntEnum):
     F32 = 3
     Q4F = 4  # Q4 with float32 scales and mins (a K-quant sub-block's are exact only there)
     Q8H = 5  # Q8 with a float32 scale per 16 inputs
+    Q8A = 6  # unsigned 7-bit codes in Q8's layout with Q4F's float32 scales and mins
 
 
 #: GGUF block types the kernels run as they are, and the kind each becomes.
@@ -32,8 +33,10 @@ GGUF_KINDS = {
     GGMLQuantizationType.Q4_0: Kind.Q4,
     GGMLQuantizationType.Q4_1: Kind.Q4,
     GGMLQuantizationType.Q5_0: Kind.Q8,  # 5-bit codes minus 16 are int8 codes
+    GGMLQuantizationType.Q5_1: Kind.Q8A,
     GGMLQuantizationType.Q8_0: Kind.Q8,
     GGMLQuantizationType.Q4_K: Kind.Q4F,
+    GGMLQuantizationType.Q5_K: Kind.Q8A,
     GGMLQuantizationType.Q6_K: Kind.Q8H,  # 6-bit codes minus 32, a scale per 16
 }
 
@@ -95,6 +98,26 @@ def pack_q8(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.cat((vectors.reshape(tiles, nb, 512), scales), dim=-1).view(-1)
 
 
+def pack_q8a(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Unsigned codes [n, k] (0-127) with value d*q + m, d and m float32 [n, k/32], as Q8A
+    tiles: the codes as stored bytes in Q8's layout, then Q4F's scales and mins."""
+    if int(codes.max()) > 127:
+        raise ValueError("Q8A codes run 0-127")
+    n, k = codes.shape
+    nb = k // BLOCK
+    q8 = pack_q8(
+        (codes.to(torch.int16) - 128).to(torch.int8), torch.zeros(n, nb, dtype=torch.float16)
+    )
+    tiles = q8.numel() // (544 * nb)
+    vectors = q8.view(tiles, nb, 544)[..., :512]
+    scales = torch.stack(
+        (_tiles(_pad_rows(d.float()), tiles, nb), _tiles(_pad_rows(m.float()), tiles, nb)), dim=2
+    )
+    return torch.cat(
+        (vectors, scales.contiguous().view(torch.uint8).view(tiles, nb, 128)), dim=-1
+    ).view(-1)
+
+
 def pack_q8h(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """int8 codes [n, k] with value d*q, d float32 [n, k/16] (a scale per 16 inputs), as Q8H
     tiles: Q8's codes, then the scales of every block's first halves, then its second's."""
@@ -118,12 +141,10 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _pack_q5_0(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Q5_0 blocks [n, nb, 22] (d, 32 high bits, 16 bytes of low nibbles) as Q8 tiles."""
-    high = blocks[..., 2:6]  # [n, nb, 4]: bit j of the little-endian word is input j
-    bits = torch.arange(32)
-    top = (high[..., bits // 8] >> (bits % 8).to(torch.uint8)) & 1  # [n, nb, 32]
     qs = blocks[..., 6:22]
     low = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # inputs 0-15, then 16-31
-    codes = ((low | (top << 4)).to(torch.int8) - 16).view(n, k)  # in -16..15 (uint8 math)
+    # bit j of the little-endian word at bytes 2-5 is input j's fifth bit
+    codes = (_five_bits(low, blocks[..., 2:6], torch.arange(32)).to(torch.int8) - 16).view(n, k)
     d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
     return pack_q8(codes, d)
 
@@ -138,6 +159,37 @@ def _pack_q4_k(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
     qs = blocks[..., 16:].contiguous().view(n, -1, 4, 1, 32)  # chunk i: sub-blocks 2i, 2i+1
     codes = torch.cat((qs & 0x0F, qs >> 4), dim=3).view(n, k)
     return pack_q4(codes, d.view(n, -1), m.view(n, -1))
+
+
+def _five_bits(low: torch.Tensor, high: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """5-bit codes from their low nibbles and a byte field whose bit `bits[j]` is code j's
+    fifth bit (uint8 arithmetic)."""
+    top = (high[..., bits // 8] >> (bits % 8).to(torch.uint8)) & 1
+    return low | (top << 4)
+
+
+def _pack_q5_1(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q5_1 blocks [n, nb, 24] (d, m, 32 high bits, 16 bytes of low nibbles) as Q8A tiles."""
+    qs = blocks[..., 8:24]
+    low = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # inputs 0-15, then 16-31
+    codes = _five_bits(low, blocks[..., 4:8], torch.arange(32)).view(n, k)
+    f16 = lambda at: blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0].float()  # noqa: E731
+    return pack_q8a(codes, f16(0), f16(2))
+
+
+def _pack_q5_k(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q5_K super-blocks [n, nb, 176] (d, dmin, 12 bytes of scales, 32 of high bits, 128 of
+    nibbles) as Q8A tiles: sub-block j's value d*sc[j]*q - dmin*m[j], q's fifth bit bit j of
+    the high byte of its position."""
+    f16 = lambda at: blocks[..., at : at + 2].contiguous().view(torch.float16).float()  # noqa: E731
+    sc, mn = _k_scales(blocks[..., 4:16])  # [n, nb, 8]
+    qs = blocks[..., 48:].contiguous().view(n, -1, 4, 1, 32)
+    low = torch.cat((qs & 0x0F, qs >> 4), dim=3).view(n, -1, 8, 32)
+    qh = blocks[..., 16:48].contiguous().view(n, -1, 1, 32)
+    top = torch.cat([(qh >> j) & 1 for j in range(8)], dim=2)  # [n, nb, 8, 32]: bit j, sub-block j
+    codes = (low | (top << 4)).view(n, k)
+    d, m = f16(0) * sc.float(), -(f16(2) * mn.float())  # exact, as in Q4_K
+    return pack_q8a(codes, d.view(n, -1), m.view(n, -1))
 
 
 def _pack_q6_k(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -166,8 +218,12 @@ def pack_gguf(
         return Kind.Q8, pack_q8(blocks[..., 2:].contiguous().view(torch.int8).view(n, k), f16(0))
     if kind == GGMLQuantizationType.Q5_0:
         return Kind.Q8, _pack_q5_0(blocks, n, k)
+    if kind == GGMLQuantizationType.Q5_1:
+        return Kind.Q8A, _pack_q5_1(blocks, n, k)
     if kind == GGMLQuantizationType.Q4_K:
         return Kind.Q4F, _pack_q4_k(blocks, n, k)
+    if kind == GGMLQuantizationType.Q5_K:
+        return Kind.Q8A, _pack_q5_k(blocks, n, k)
     if kind == GGMLQuantizationType.Q6_K:
         return Kind.Q8H, _pack_q6_k(blocks, n, k)
     head = 2 if kind == GGMLQuantizationType.Q4_0 else 4

@@ -1,9 +1,9 @@
 """A GGUF model straight onto the kernels, its quantized weights kept as they are.
 
-Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks are re-laid out for the kernels bit for bit
-(`kernels.pack`), so the model that runs is the one in the file, computed the way llama.cpp
-computes it (int8 activations per block of 32). Float tensors (norms, biases, F16/F32 weights)
-are read as float32. A file with other block types (Q5_1, Q2_K, Q3_K, Q5_K) runs in bfloat16
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks are re-laid out for the kernels bit
+for bit (`kernels.pack`), so the model that runs is the one in the file, computed the way
+llama.cpp computes it (int8 activations per block of 32). Float tensors (norms, biases, F16/F32
+weights) are read as float32. A file with other block types (Q2_K, Q3_K) runs in bfloat16
 instead; the caller asks `unsupported(index)` first. At bfloat16 or float32 every weight matrix is
 dequantized and packed at that precision (norms and biases stay float32), with no eager model
 in between; either way the packed model is kept in the cache (`packed_cache`).

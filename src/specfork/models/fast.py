@@ -2,7 +2,7 @@
 
 It computes what `DecoderLM` computes (same interface: `forward(tokens, positions, cache,
 mask=None, layers=None)`, `logits`, `extend`, `new_cache`) in one call per forward, over weights
-packed for the kernels: a GGUF's own Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks (precision "gguf":
+packed for the kernels: a GGUF's own Q4-Q8 blocks (the K-quants included) (precision "gguf":
 int8 activations, as llama.cpp computes), or bf16 / fp32 weights. Every kernel is batch-invariant:
 a row's logits do not depend on the other rows of its forward, so plain decoding, a verified
 chain and a verified tree give a token bitwise the same logits (csrc/common.h).

@@ -16,6 +16,7 @@ int64_t block_bytes(Kind kind) {
     case Kind::F32: return 2048;
     case Kind::Q4F: return 384;
     case Kind::Q8H: return 640;
+    case Kind::Q8A: return 640;
   }
   throw std::invalid_argument("unknown weight kind");
 }
@@ -166,7 +167,7 @@ void Activations::need(Kind kind) {
 
 // -- generic kernels (any CPU; same arithmetic as the vector kernels for Q4, Q8 and F32) ---------
 
-// Code j of column c in a block of Q4/Q4F nibbles or Q8/Q8H codes (stored q+128 for Q8s).
+// Code j of column c in a block of Q4/Q4F nibbles or byte codes (Q8/Q8H store q+128).
 static int32_t code_at(Kind kind, const uint8_t* p, int c, int j) {
   if (q4_layout(kind)) {
     const int g = j / 4;
@@ -176,10 +177,11 @@ static int32_t code_at(Kind kind, const uint8_t* p, int c, int j) {
   return p[64 * (j / 4) + 4 * c + j % 4];
 }
 
-// Column c's scale and min of a Q4/Q4F block (fp16 or float32 after the nibbles).
+// Column c's scale (which = 0) or min (1) of a Q4/Q4F/Q8A block (fp16 for Q4, else float32).
 static float q4_scale(Kind kind, const uint8_t* p, int c, int which) {
-  if (kind == Kind::Q4) return f16_to_f32(reinterpret_cast<const uint16_t*>(p + 256)[16 * which + c]);
-  return reinterpret_cast<const float*>(p + 256)[16 * which + c];
+  const uint8_t* at = p + scales_at(kind);
+  if (kind == Kind::Q4) return f16_to_f32(reinterpret_cast<const uint16_t*>(at)[16 * which + c]);
+  return reinterpret_cast<const float*>(at)[16 * which + c];
 }
 
 // The integer sum of codes j0..j1-1 of column c times the row's int8 activations.
@@ -197,7 +199,7 @@ static void tile_generic(const PackedLinear& w, const Activations& a, int64_t ti
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = base + b * bytes;
     const int64_t at = r * nb + b;
-    if (q4_layout(w.kind)) {
+    if (affine(w.kind)) {
       const int8_t* xq = &a.q[r * w.k + b * kBlock];
       for (int c = 0; c < kTile; ++c) {
         const float scale = q4_scale(w.kind, p, c, 0) * a.d[at];
@@ -283,24 +285,31 @@ SF_AVX512 static inline __m512 scales16(const uint8_t* at) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
 
-// Q4 (F32 = false) and Q4F (F32 = true): the same nibbles, fp16 or float32 scales and mins.
-template <int RT, bool F32>
-SF_AVX512 static void q4_avx512(const uint8_t* wt, int64_t nb, const Activations& a, int64_t r0,
-                                __m512* acc) {
-  constexpr int64_t bytes = F32 ? 384 : 320, scale_bytes = F32 ? 64 : 32;
+// value d*q + m: Q4 (nibbles, fp16 d and m), Q4F (nibbles, float32) and Q8A (byte codes in
+// Q8's layout, float32): w[g] holds inputs 4g..4g+3 of every column either way.
+template <int RT, Kind KIND>
+SF_AVX512 static void affine_avx512(const uint8_t* wt, int64_t nb, const Activations& a,
+                                    int64_t r0, __m512* acc) {
+  constexpr bool f32 = KIND != Kind::Q4, nibbles = q4_layout(KIND);
+  constexpr int64_t bytes = KIND == Kind::Q4 ? 320 : KIND == Kind::Q4F ? 384 : 640;
+  constexpr int64_t at_d = nibbles ? 256 : 512, at_m = at_d + (f32 ? 64 : 32);
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = wt + b * bytes;
     if constexpr (RT >= 6) prefetch_block(p, bytes);
     __m512i w[8], s[RT];
-    for (int i = 0; i < 4; ++i) {
-      const __m512i v = _mm512_loadu_si512(p + 64 * i);
-      w[2 * i] = _mm512_and_si512(v, low);
-      w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if constexpr (nibbles) {
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * i);
+        w[2 * i] = _mm512_and_si512(v, low);
+        w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    } else {
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(p + 64 * g);
     }
     dot_block<RT>(w, a, r0, b * kBlock, s);
-    const __m512 d = scales16<F32>(p + 256), m = scales16<F32>(p + 256 + scale_bytes);
+    const __m512 d = scales16<f32>(p + at_d), m = scales16<f32>(p + at_m);
     for (int r = 0; r < RT; ++r) {
       const int64_t at = (r0 + r) * nb + b;
       const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d[at]));
@@ -429,8 +438,9 @@ SF_AVX512BF16 static void rows_avx512(const PackedLinear& w, const Activations& 
   const uint8_t* wt = w.data + tile * nb * block_bytes(w.kind);
   __m512 acc[RT];
   switch (w.kind) {
-    case Kind::Q4: q4_avx512<RT, false>(wt, nb, a, r0, acc); break;
-    case Kind::Q4F: q4_avx512<RT, true>(wt, nb, a, r0, acc); break;
+    case Kind::Q4: affine_avx512<RT, Kind::Q4>(wt, nb, a, r0, acc); break;
+    case Kind::Q4F: affine_avx512<RT, Kind::Q4F>(wt, nb, a, r0, acc); break;
+    case Kind::Q8A: affine_avx512<RT, Kind::Q8A>(wt, nb, a, r0, acc); break;
     case Kind::Q8: q8_avx512<RT>(wt, nb, a, r0, acc); break;
     case Kind::Q8H: q8h_avx512<RT>(wt, nb, a, r0, acc); break;
     case Kind::F32: f32_avx512<RT>(wt, nb, a, r0, acc); break;
@@ -481,10 +491,10 @@ SF_AVX512BF16 static void tiles_avx512(const PackedLinear& w, const Activations&
 }
 
 #if SF_HAVE_AMX
-// -- AMX int8 kernels: Q4, Q4F and Q8, 16 rows at a time -----------------------------------------
+// -- AMX int8 kernels: Q4, Q4F, Q8A and Q8, 16 rows at a time ------------------------------------
 // One tile product per block of 32 inputs (tdpbsud: signed int8 activations times the unsigned
 // codes) gives the block's exact integer sums for 16 rows and 16 columns, the very sums
-// dot_block makes; the float steps after it are q4_avx512's and q8_avx512's in the same order.
+// dot_block makes; the float steps after it are affine_avx512's and q8_avx512's in the same order.
 // (Q8H's halves take the AVX-512 path at every row count.)
 // So every row gets the AVX-512 path's bits, whichever path ran it.
 
@@ -518,15 +528,16 @@ SF_AMX static void unpack_q4_tile(const uint8_t* wt, int64_t nb, int64_t bytes, 
     }
 }
 
-// The float steps of block b for rows r0..r0+15 from their integer sums (q4_avx512 / q8_avx512).
+// The float steps of block b for rows r0..r0+15 from their integer sums (affine_avx512 /
+// q8_avx512).
 SF_AMX static inline void scale_block(const PackedLinear& w, const uint8_t* wt, int64_t nb,
                                       const Activations& a, int64_t r0, int64_t b,
                                       const int32_t (*sums)[16], __m512* acc) {
-  if (q4_layout(w.kind)) {
-    const bool f32 = w.kind == Kind::Q4F;
-    const uint8_t* p = wt + b * block_bytes(w.kind);
-    const __m512 d = f32 ? scales16<true>(p + 256) : scales16<false>(p + 256);
-    const __m512 m = f32 ? scales16<true>(p + 320) : scales16<false>(p + 288);
+  if (affine(w.kind)) {
+    const bool f32 = w.kind != Kind::Q4;
+    const uint8_t* p = wt + b * block_bytes(w.kind) + scales_at(w.kind);
+    const __m512 d = f32 ? scales16<true>(p) : scales16<false>(p);
+    const __m512 m = f32 ? scales16<true>(p + 64) : scales16<false>(p + 32);
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
       const int64_t at = (r0 + r) * nb + b;
@@ -685,7 +696,7 @@ void unpack_row(const PackedLinear& w, int64_t row, float* out) {
     const uint8_t* p = w.data + (tile * nb + b) * bytes;
     for (int j = 0; j < kBlock; ++j) {
       float v;
-      if (q4_layout(w.kind)) {
+      if (affine(w.kind)) {
         v = std::fma(q4_scale(w.kind, p, c, 0), static_cast<float>(code_at(w.kind, p, c, j)),
                      q4_scale(w.kind, p, c, 1));
       } else if (w.kind == Kind::Q8) {

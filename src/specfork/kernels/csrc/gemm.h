@@ -13,7 +13,9 @@
 //        scale d*sc and min -dmin*m are exact in float32, not in fp16.
 //   Q8H  (GGUF Q6_K): Q8's codes (q+128), then float32 d of inputs 0-15 and of inputs 16-31
 //        (64 bytes each): Q6_K scales every 16 inputs.
-// Q4, Q8, Q4F and Q8H multiply int8 activations (one scale per row and block of 32, as
+//   Q8A  (GGUF Q5_K, Q5_1): unsigned codes q (0-127, stored as they are) in Q8's layout, value
+//        d*q + m with float32 d and m (64 bytes each), as Q4F.
+// Every kind but BF16 and F32 multiplies int8 activations (one scale per row and block of 32, as
 // llama.cpp does) with integer dot products; the float accumulation over blocks runs in block
 // order (Q8H: the block's first half, then its second), one output at a time, whatever the
 // number of rows or threads.
@@ -24,12 +26,16 @@
 
 namespace sf {
 
-enum class Kind : int64_t { Q4 = 0, Q8 = 1, BF16 = 2, F32 = 3, Q4F = 4, Q8H = 5 };
+enum class Kind : int64_t { Q4 = 0, Q8 = 1, BF16 = 2, F32 = 3, Q4F = 4, Q8H = 5, Q8A = 6 };
 
 // Kinds whose products take int8 activations (`Activations::q`).
-inline bool int8_kind(Kind k) { return k != Kind::BF16 && k != Kind::F32; }
-// Q4 and Q4F: 4-bit codes with a scale and a min; Q8 and Q8H: int8 codes stored as q+128.
-inline bool q4_layout(Kind k) { return k == Kind::Q4 || k == Kind::Q4F; }
+constexpr bool int8_kind(Kind k) { return k != Kind::BF16 && k != Kind::F32; }
+// Q4 and Q4F: 4-bit codes (nibbles); Q8, Q8H and Q8A: a byte per code.
+constexpr bool q4_layout(Kind k) { return k == Kind::Q4 || k == Kind::Q4F; }
+// Q4, Q4F and Q8A: value d*q + m (a scale and a min per column and block); Q8, Q8H: d*q.
+constexpr bool affine(Kind k) { return q4_layout(k) || k == Kind::Q8A; }
+// Where a block's scales start (the mins follow: 32 bytes on for fp16, 64 for float32).
+constexpr int64_t scales_at(Kind k) { return q4_layout(k) ? 256 : 512; }
 
 constexpr int64_t kTile = 16;   // output columns per tile
 constexpr int64_t kBlock = 32;  // inputs per block

@@ -126,6 +126,39 @@ SF_AVX2 void q8_rows(const uint8_t* wt, int64_t nb, const Activations& a, int64_
   }
 }
 
+// Q8A (unsigned codes 0-127): a madd per group, as Q8 (two products of up to 127*127 fit an
+// int16 lane; eight groups would not), then Q4F's float steps.
+template <int RT>
+SF_AVX2 void q8a_rows(const uint8_t* wt, int64_t nb, const Activations& a, int64_t r0,
+                      __m256 (*acc)[2]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = wt + b * 640;
+    prefetch_ahead(p, 640);
+    __m256i s[RT][2];
+    for (int r = 0; r < RT; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * g));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * g + 32));
+      for (int r = 0; r < RT; ++r) {
+        const __m256i x = broadcast4(&a.q[(r0 + r) * a.k + b * kBlock + 4 * g]);
+        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(v0, x), ones));
+        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(v1, x), ones));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = scales8<true>(p + 512, h), m = scales8<true>(p + 576, h);
+      for (int r = 0; r < RT; ++r) {
+        const int64_t at = (r0 + r) * nb + b;
+        const __m256 sum = _mm256_cvtepi32_ps(s[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(a.d[at])), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.ds[at]), acc[r][h]);
+      }
+    }
+  }
+}
+
 // Q8H: each half block's sums (groups 0-3, then 4-7) scaled on their own, as q8h_avx512 does.
 template <int RT>
 SF_AVX2 void q8h_rows(const uint8_t* wt, int64_t nb, const Activations& a, int64_t r0,
@@ -208,6 +241,7 @@ SF_AVX2 void rows_avx2(const PackedLinear& w, const Activations& a, int64_t tile
     case Kind::Q4F: q4_rows<RT, true>(wt, nb, a, r0, acc); break;
     case Kind::Q8: q8_rows<RT>(wt, nb, a, r0, acc); break;
     case Kind::Q8H: q8h_rows<RT>(wt, nb, a, r0, acc); break;
+    case Kind::Q8A: q8a_rows<RT>(wt, nb, a, r0, acc); break;
     case Kind::F32: f32_rows<RT>(wt, nb, a, r0, acc); break;
     case Kind::BF16: bf16_rows<RT>(wt, nb, a, r0, acc); break;
   }

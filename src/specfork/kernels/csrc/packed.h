@@ -24,7 +24,7 @@ struct Packed {
   torch::Tensor data, bias;
   Packed(int64_t kind, int64_t n, int64_t k, torch::Tensor data_, std::optional<torch::Tensor> bias_)
       : data(std::move(data_)) {
-    check(kind >= 0 && kind <= 5, "unknown weight kind");
+    check(kind >= 0 && kind <= 6, "unknown weight kind");
     check(k % kBlock == 0, "packed weights need an input size that is a multiple of 32");
     w.kind = static_cast<Kind>(kind);
     w.n = n;
