@@ -266,11 +266,12 @@ SF_AVX512 static inline void dot_block(const __m512i* w, const Activations& a, i
   }
 }
 
-// Passes of 6 rows and more are compute bound: the hardware prefetcher falls behind and the
-// weights' loads stall them. Each block asks for the bytes kAhead further on (the next tiles'
-// blocks follow in memory), measured best on two Zen 4 cores: 8-16 row forwards 9-14% faster,
-// fewer rows no faster (their loads keep pace), so those passes do not ask. A prefetch changes
-// no result and never faults, past the end of the weights included.
+// The hardware prefetcher falls behind the passes and the weights' loads stall them: every block
+// asks for the bytes kAhead further on (the next tiles' blocks follow in memory). Measured best
+// on two Zen 4 cores: 8-16 row forwards 9-14% faster, fewer rows no faster there; on two
+// Sapphire Rapids cores one-row steps of SmolLM2's Q4_1/Q8_0 forward took 0.7x the time
+// (docs/benchmarks.md). A prefetch changes no result and never faults, past the end of the
+// weights included.
 constexpr int64_t kAhead = 6144;
 
 SF_AVX512 static inline void prefetch_block(const uint8_t* p, int64_t bytes) {
@@ -297,7 +298,7 @@ SF_AVX512 static void affine_avx512(const uint8_t* wt, int64_t nb, const Activat
   for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = wt + b * bytes;
-    if constexpr (RT >= 6) prefetch_block(p, bytes);
+    prefetch_block(p, bytes);
     __m512i w[8], s[RT];
     if constexpr (nibbles) {
       for (int i = 0; i < 4; ++i) {
@@ -325,7 +326,7 @@ SF_AVX512 static void q8_avx512(const uint8_t* wt, int64_t nb, const Activations
   for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = wt + b * 544;
-    if constexpr (RT >= 6) prefetch_block(p, 544);
+    prefetch_block(p, 544);
     __m512i w[8], s[RT];
     for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(p + 64 * g);
     dot_block<RT>(w, a, r0, b * kBlock, s);
@@ -347,7 +348,7 @@ SF_AVX512 static void q8h_avx512(const uint8_t* wt, int64_t nb, const Activation
   for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = wt + b * 640;
-    if constexpr (RT >= 6) prefetch_block(p, 640);
+    prefetch_block(p, 640);
     __m512i w[8], half[2][RT];
     for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(p + 64 * g);
     for (int r = 0; r < RT; ++r) half[0][r] = half[1][r] = _mm512_setzero_si512();
