@@ -340,8 +340,9 @@ SF_AVX512 static void q8_avx512(const uint8_t* wt, int64_t nb, const Activations
   }
 }
 
-// Q8H: Q8's codes with a float32 scale per half block; each half's integer sum is scaled on
-// its own, the first half's before the second's.
+// Q8H: Q8's codes with a float32 scale per half block; each half's integer sums are scaled on
+// their own, the first half's before the second's. The halves run one after the other, so a
+// pass keeps RT sums and 4 weight vectors in registers (not 2 x RT sums and 8 vectors).
 template <int RT>
 SF_AVX512 static void q8h_avx512(const uint8_t* wt, int64_t nb, const Activations& a, int64_t r0,
                                  __m512* acc) {
@@ -349,20 +350,21 @@ SF_AVX512 static void q8h_avx512(const uint8_t* wt, int64_t nb, const Activation
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = wt + b * 640;
     prefetch_block(p, 640);
-    __m512i w[8], half[2][RT];
-    for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(p + 64 * g);
-    for (int r = 0; r < RT; ++r) half[0][r] = half[1][r] = _mm512_setzero_si512();
-    for (int g = 0; g < 4; ++g)
-      for (int r = 0; r < RT; ++r) {
-        const int32_t* x4 = reinterpret_cast<const int32_t*>(&a.q[(r0 + r) * a.k + b * kBlock]);
-        half[0][r] = _mm512_dpbusd_epi32(half[0][r], w[g], _mm512_set1_epi32(x4[g]));
-        half[1][r] = _mm512_dpbusd_epi32(half[1][r], w[g + 4], _mm512_set1_epi32(x4[g + 4]));
-      }
+    const int32_t* x4[RT];  // each row's activations of the block, 4 at a time
+    for (int r = 0; r < RT; ++r) x4[r] = reinterpret_cast<const int32_t*>(&a.q[(r0 + r) * a.k + b * kBlock]);
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
+      __m512i w[4], s[RT];
+      for (int g = 0; g < 4; ++g) w[g] = _mm512_loadu_si512(p + 64 * (4 * h + g));
+      for (int r = 0; r < RT; ++r) s[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g)
+        for (int r = 0; r < RT; ++r)
+          s[r] = _mm512_dpbusd_epi32(s[r], w[g], _mm512_set1_epi32(x4[r][4 * h + g]));
       const __m512 d = scales16<true>(p + 512 + 64 * h);
       for (int r = 0; r < RT; ++r) {
         const int64_t at = (r0 + r) * nb + b;
-        const __m512i fixed = _mm512_sub_epi32(half[h][r], _mm512_set1_epi32(128 * a.s16[2 * at + h]));
+        const __m512i fixed = _mm512_sub_epi32(s[r], _mm512_set1_epi32(128 * a.s16[2 * at + h]));
         const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d[at]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fixed), scale, acc[r]);
       }
