@@ -87,8 +87,10 @@ class LlamaShape:
         return sum(n * k for n, k in self.matrices().values())
 
 
-#: TinyLlama-1.1B's layout and Llama-3.2-3B's
+#: TinyLlama-1.1B's layout and Llama-3.2-3B's; SmolLM2-135M's with the 1.1B's vocabulary (the
+#: small draft model of the same tokenizer)
 SHAPES = {
+    "135m": LlamaShape("llama-135m-draft", 576, 1536, 30, 9, 3, 32000),
     "1b": LlamaShape("llama-1.1b", 2048, 5632, 22, 32, 4, 32000),
     "3b": LlamaShape("llama-3.2-3b", 3072, 8192, 28, 24, 8, 128256),
 }

@@ -111,4 +111,23 @@ inline void parallel_dynamic(int64_t n, Init&& init, F&& fn) {
            &part);
 }
 
+// Denormal floats flushed to zero and read as zero (MXCSR FTZ | DAZ) while a kernel call runs
+// (the pool's threads keep it for good): a product or exponential that underflows otherwise
+// costs a microcode assist per operation. Random-weight models whose SiLU saturates ran 8-row
+// forwards 3x slower than with the flush (docs/benchmarks.md). Every path of a call runs under
+// it, so rows stay batch-invariant; only values below 1.2e-38 change (to zero).
+#if SF_X86
+inline void flush_denormals_for_good() { _mm_setcsr(_mm_getcsr() | 0x8040); }
+struct FlushDenormals {
+  unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+};
+#else
+inline void flush_denormals_for_good() {}
+struct FlushDenormals {};
+#endif
+
 }  // namespace sf

@@ -215,9 +215,9 @@ void bind_head(pybind11::module_& m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("set_rope", &FastHead::set_rope)
       .def("set_weights", &FastHead::set_weights)
-      .def("fuse", &FastHead::fuse, py::call_guard<py::gil_scoped_release>())
-      .def("rows", &FastHead::rows, py::call_guard<py::gil_scoped_release>())
-      .def("logits", &FastHead::logits, py::call_guard<py::gil_scoped_release>())
+      .def("fuse", &FastHead::fuse, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>())
+      .def("rows", &FastHead::rows, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>())
+      .def("logits", &FastHead::logits, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>())
       .def_property_readonly("draft_vocab", &FastHead::draft_vocab);
 }
 

@@ -433,22 +433,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_embedding", &sf::FastModel::set_embedding)
       .def("set_head", &sf::FastModel::set_head)
       .def("add_layer", &sf::FastModel::add_layer)
-      .def("forward", &sf::FastModel::forward, py::call_guard<py::gil_scoped_release>())
-      .def("forward_batch", &sf::FastModel::forward_batch, py::call_guard<py::gil_scoped_release>())
-      .def("logits", &sf::FastModel::logits, py::call_guard<py::gil_scoped_release>())
+      .def("forward", &sf::FastModel::forward, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>())
+      .def("forward_batch", &sf::FastModel::forward_batch, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>())
+      .def("logits", &sf::FastModel::logits, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>())
       .def("embed_tokens", &sf::FastModel::embed_tokens)
       .def_property_readonly("num_layers", &sf::FastModel::num_layers);
   sf::bind_head(m);
-  m.def("packed_linear", &sf::packed_linear, py::call_guard<py::gil_scoped_release>());
+  m.def("packed_linear", &sf::packed_linear, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
   m.def("unpack", &sf::unpack);
   m.def("top_k_ids", &sf::top_k_ids, py::arg("x"), py::arg("k"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("logsumexp_rows", &sf::logsumexp_rows, py::call_guard<py::gil_scoped_release>());
+        py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
+  m.def("logsumexp_rows", &sf::logsumexp_rows, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
   m.def("isa", []() { return std::string(sf::isa_name()); });
   m.def("threads", &sf::pool_threads);
   m.def("active_threads", &sf::pool_active);
   m.def("set_threads", &sf::set_pool_threads, py::arg("threads"), py::arg("adaptive"),
-        py::call_guard<py::gil_scoped_release>());
+        py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
   m.def("backoff_trace", &sf::backoff_trace, py::arg("most"), py::arg("shares"),
         py::arg("window_seconds"));
   m.def("thread_counts", []() {  // (regions, reduced, windows, busy): pool.h PoolCounts

@@ -1,4 +1,5 @@
 #include "pool.h"
+#include "common.h"
 
 #include <ATen/Parallel.h>
 #include <pthread.h>
@@ -135,6 +136,7 @@ bool wait_for_region(State& s, int index, uint64_t seen) {
 }
 
 void worker_loop(State* s, int index) {
+  flush_denormals_for_good();  // a worker runs nothing but kernels (common.h)
   s->tids[index].store(this_tid());
   uint64_t seen = ticket_gen(s->ticket.load(std::memory_order_acquire));
   while (!s->stop.load()) {
