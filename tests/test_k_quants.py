@@ -31,9 +31,12 @@ MIX = {
 }
 
 
-@pytest.fixture(scope="module")
-def k_quant_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_llama(tmp_path_factory.mktemp("k-quants") / "tiny.gguf", SHAPE, MIX)
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def k_quant_file(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """The tiny file as each Llama-layout architecture (Qwen2 with q/k/v biases, Qwen3 with
+    q/k norms)."""
+    folder = tmp_path_factory.mktemp("k-quants")
+    return write_random_llama(folder / f"tiny-{request.param}.gguf", SHAPE, MIX, arch=request.param)
 
 
 def test_the_mix_names_each_matrix_kind() -> None:
@@ -51,6 +54,8 @@ def test_a_q4_k_m_file_runs_as_stored(k_quant_file: Path) -> None:
     assert unsupported(index) is None
     model = load_gguf_fast(k_quant_file, K, precision="gguf")
     assert model.precision == "gguf"
+    arch = k_quant_file.stem.removeprefix("tiny-")
+    assert (model.config.qkv_bias, model.config.qk_norm) == (arch == "qwen2", arch == "qwen3")
 
 
 def test_k_quant_logits_match_the_dequantized_file(k_quant_file: Path) -> None:

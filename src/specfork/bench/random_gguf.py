@@ -109,16 +109,35 @@ def block_type(mix: dict[str, Q], tensor: str) -> Q:
     return mix.get(part, mix["*"])
 
 
+#: the Llama-layout architectures a file can name, and what each adds to the Llama tensors
+ARCH_EXTRAS = {
+    "llama": (),
+    "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight"),
+}
+
+
+def _extra_vector(shape: LlamaShape, extra: str, rng: np.random.Generator) -> np.ndarray:
+    """An architecture's extra vector: a bias (small random) or a q/k norm (ones)."""
+    if extra.endswith("norm.weight"):
+        return np.ones(shape.head_dim, dtype=np.float32)
+    size = shape.hidden if extra.startswith("attn_q") else shape.kv_heads * shape.head_dim
+    return (rng.standard_normal(size) * 0.01).astype(np.float32)
+
+
 def write_random_llama(
-    path: Path, shape: LlamaShape, mix: str | dict[str, Q], seed: int = 0
+    path: Path, shape: LlamaShape, mix: str | dict[str, Q], seed: int = 0, arch: str = "llama"
 ) -> Path:
-    """A random-weight Llama GGUF of `shape` with the block types of `mix` (a MIXES name, or
-    matrix kind → type with a "*" default)."""
+    """A random-weight GGUF of `shape` with the block types of `mix` (a MIXES name, or matrix
+    kind → type with a "*" default), as architecture `arch` (ARCH_EXTRAS: Qwen2's q/k/v biases,
+    Qwen3's q/k norms)."""
+    if arch not in ARCH_EXTRAS:
+        raise ValueError(f"unknown architecture {arch!r}; use one of {', '.join(ARCH_EXTRAS)}")
     if isinstance(mix, str) and mix not in MIXES:
         raise ValueError(f"unknown mix {mix!r}; use one of {', '.join(MIXES)}")
     types = MIXES[mix] if isinstance(mix, str) else mix
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(path, "llama")
+    w = gguf.GGUFWriter(path, arch)
     w.add_name(f"random-{shape.name}")
     w.add_context_length(8192)
     w.add_embedding_length(shape.hidden)
@@ -143,6 +162,8 @@ def write_random_llama(
     for i in range(shape.layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        for extra in ARCH_EXTRAS[arch]:
+            w.add_tensor(f"blk.{i}.{extra}", _extra_vector(shape, extra, rng))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
