@@ -16,40 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+from cost_curve import ROWS, forward_ms  # benchmarks/: the same timing as the cost curve
 
 from specfork.bench.random_gguf import SHAPES, write_random_llama
 from specfork.kernels import load_kernels
 from specfork.loading.fast import load_gguf_fast
 
-ROWS = (1, 2, 4, 8, 16, 32)
 log = logging.getLogger("big_targets")
-
-
-def forward_ms(model, context: int, repeats: int) -> dict[int, float]:
-    """Median ms of one forward of R new tokens (and their logits) after `context` cached ones,
-    for every R in ROWS (the context is prefilled once)."""
-    cache = model.new_cache(context + max(ROWS) + 1)
-    ms = {}
-    with torch.inference_mode():
-        model.extend([(7 * i) % 1000 + 3 for i in range(context)], cache)
-        for rows in ROWS:
-            tokens = torch.arange(20, 20 + rows)[None]  # [1, R]
-            positions = torch.arange(context, context + rows)  # [R]
-            runs = []
-            for _ in range(repeats + 1):
-                cache.truncate(context)
-                t0 = time.perf_counter()
-                model.logits(model(tokens, positions, cache)[0])
-                runs.append(time.perf_counter() - t0)
-            ms[rows] = statistics.median(runs[1:]) * 1e3
-    return ms
 
 
 def llama_bench(binary: Path, path: Path, context: int, repeats: int) -> dict[int, float]:

@@ -27,20 +27,24 @@ ROWS = (1, 2, 4, 8, 16, 32)
 CONTEXT = 256
 
 
-def time_forward(model, rows: int, repeats: int) -> float:
-    """Median ms of a forward over `rows` new tokens after CONTEXT cached ones (+ logits)."""
-    cache = model.new_cache(CONTEXT + rows + 1)
+def forward_ms(model, context: int, repeats: int) -> dict[int, float]:
+    """Median ms of one forward of R new tokens (and their logits) after `context` cached ones,
+    for every R in ROWS (the context is prefilled once; benchmarks/big_targets.py uses it too)."""
+    cache = model.new_cache(context + max(ROWS) + 1)
+    ms = {}
     with torch.inference_mode():
-        model.extend(list(range(10, 10 + CONTEXT)), cache)
-        tokens = torch.arange(20, 20 + rows)[None]  # [1, R]
-        positions = torch.arange(CONTEXT, CONTEXT + rows)  # [R]
-        runs = []
-        for _ in range(repeats + 1):
-            cache.truncate(CONTEXT)
-            t0 = time.perf_counter()
-            model.logits(model(tokens, positions, cache)[0])
-            runs.append(time.perf_counter() - t0)
-    return statistics.median(runs[1:]) * 1e3
+        model.extend([(7 * i) % 1000 + 3 for i in range(context)], cache)
+        for rows in ROWS:
+            tokens = torch.arange(20, 20 + rows)[None]  # [1, R]
+            positions = torch.arange(context, context + rows)  # [R]
+            runs = []
+            for _ in range(repeats + 1):
+                cache.truncate(context)
+                t0 = time.perf_counter()
+                model.logits(model(tokens, positions, cache)[0])
+                runs.append(time.perf_counter() - t0)
+            ms[rows] = statistics.median(runs[1:]) * 1e3
+    return ms
 
 
 def random_llama(kernels, kind: Kind) -> FastLM:
@@ -93,8 +97,8 @@ def main() -> None:
     print("|---|" + "---|" * len(ROWS))
     for name, make in models.items():
         model = make()
-        ms = [time_forward(model, r, args.repeats) for r in ROWS]
-        cells = " | ".join(f"{m:.1f} ms ({m / ms[0]:.2f}×)" for m in ms)
+        ms = forward_ms(model, CONTEXT, args.repeats)
+        cells = " | ".join(f"{ms[r]:.1f} ms ({ms[r] / ms[1]:.2f}×)" for r in ROWS)
         print(f"| {name} | {cells} |", flush=True)
         del model
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from specfork.bench.random_gguf import F16_FIELDS  # each block type's fp16 scale fields
 from specfork.errors import ModelFormatError
 from specfork.loading import dequant
 from specfork.loading.dequant import SUPPORTED_TYPES, check_supported, dequantize
@@ -27,19 +28,6 @@ from specfork.loading.registry import resolve_model
 T = GGMLQuantizationType
 ALL_TYPES = sorted(SUPPORTED_TYPES)
 BLOCK_TYPES = [t for t in ALL_TYPES if t not in (T.F32, T.F16, T.BF16)]
-# Byte offsets of the f16 scale fields inside one block of each block type (ggml-common.h).
-F16_FIELDS = {
-    T.Q8_0: (0,),
-    T.Q4_0: (0,),
-    T.Q4_1: (0, 2),
-    T.Q5_0: (0,),
-    T.Q5_1: (0, 2),
-    T.Q2_K: (80, 82),
-    T.Q3_K: (108,),
-    T.Q4_K: (0, 2),
-    T.Q5_K: (0, 2),
-    T.Q6_K: (208,),
-}
 # Worst round-trip error of quantize + dequantize, relative to the largest |x| of a row.
 ROUNDTRIP_TOL = {T.F32: 0.0, T.F16: 1e-3, T.BF16: 4e-3, T.Q8_0: 0.01}
 ROUNDTRIP_TOL |= {T.Q5_0: 0.07, T.Q5_1: 0.07, T.Q4_0: 0.13, T.Q4_1: 0.13}

@@ -82,20 +82,29 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tens
     q = codes.view(-1, nb, 4, 2, 4)  # [n, nb, vector i, low/high nibble, j]
     byte = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [n, nb, 4, 4]: inputs 8i+j and 8i+4+j
     nibbles = _tiles(byte, tiles, nb).permute(0, 1, 3, 2, 4)  # [tiles, nb, 4, 16 cols, 4]
-    scales = torch.stack((_tiles(d, tiles, nb), _tiles(m, tiles, nb)), dim=2)  # [t, nb, 2, 16]
-    scale_bytes = scales.contiguous().view(torch.uint8).view(tiles, nb, -1)
-    return torch.cat((nibbles.reshape(tiles, nb, 256), scale_bytes), dim=-1).view(-1)
+    return _with_scales(nibbles.reshape(tiles, nb, 256), _tiles(d, tiles, nb), _tiles(m, tiles, nb))
+
+
+def _byte_vectors(stored: torch.Tensor) -> torch.Tensor:
+    """Code bytes [n, k] (as the tiles store them) in Q8's layout: [tiles, nb, 512]."""
+    stored = _pad_rows(stored)
+    tiles, nb = stored.shape[0] // TILE, stored.shape[1] // BLOCK
+    vectors = _tiles(stored.view(-1, nb, 8, 4), tiles, nb)  # [tiles, nb, 16 cols, g, j]
+    return vectors.permute(0, 1, 3, 2, 4).reshape(tiles, nb, 512)  # [tiles, nb, g, 16 cols, j]
+
+
+def _with_scales(vectors: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:
+    """Code vectors [tiles, nb, B] followed in each block by the scale rows [tiles, nb, ...]."""
+    tiles, nb = vectors.shape[:2]
+    rows = [s.contiguous().view(torch.uint8).view(tiles, nb, -1) for s in scales]
+    return torch.cat((vectors, *rows), dim=-1).view(-1)
 
 
 def pack_q8(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """int8 codes [n, k] with value d*q, d float16 [n, k/32], as Q8 tiles (codes + 128)."""
-    k = codes.shape[1]
-    codes, d = _pad_rows(codes), _pad_rows(d)
-    tiles, nb = codes.shape[0] // TILE, k // BLOCK
-    u = (codes.to(torch.int16) + 128).to(torch.uint8).view(-1, nb, 8, 4)  # [n, nb, g, j]
-    vectors = _tiles(u, tiles, nb).permute(0, 1, 3, 2, 4)  # [tiles, nb, 8, 16 cols, 4]
-    scales = _tiles(d, tiles, nb).contiguous().view(torch.uint8).view(tiles, nb, 32)
-    return torch.cat((vectors.reshape(tiles, nb, 512), scales), dim=-1).view(-1)
+    vectors = _byte_vectors((codes.to(torch.int16) + 128).to(torch.uint8))
+    tiles, nb = vectors.shape[:2]
+    return _with_scales(vectors, _tiles(_pad_rows(d), tiles, nb))
 
 
 def pack_q8a(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -103,31 +112,19 @@ def pack_q8a(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Ten
     tiles: the codes as stored bytes in Q8's layout, then Q4F's scales and mins."""
     if int(codes.max()) > 127:
         raise ValueError("Q8A codes run 0-127")
-    n, k = codes.shape
-    nb = k // BLOCK
-    q8 = pack_q8(
-        (codes.to(torch.int16) - 128).to(torch.int8), torch.zeros(n, nb, dtype=torch.float16)
-    )
-    tiles = q8.numel() // (544 * nb)
-    vectors = q8.view(tiles, nb, 544)[..., :512]
-    scales = torch.stack(
-        (_tiles(_pad_rows(d.float()), tiles, nb), _tiles(_pad_rows(m.float()), tiles, nb)), dim=2
-    )
-    return torch.cat(
-        (vectors, scales.contiguous().view(torch.uint8).view(tiles, nb, 128)), dim=-1
-    ).view(-1)
+    vectors = _byte_vectors(codes.to(torch.uint8))
+    tiles, nb = vectors.shape[:2]
+    scale = lambda x: _tiles(_pad_rows(x.float()), tiles, nb)  # noqa: E731
+    return _with_scales(vectors, scale(d), scale(m))
 
 
 def pack_q8h(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """int8 codes [n, k] with value d*q, d float32 [n, k/16] (a scale per 16 inputs), as Q8H
     tiles: Q8's codes, then the scales of every block's first halves, then its second's."""
-    n, k = codes.shape
-    q8 = pack_q8(codes, torch.zeros(n, k // BLOCK, dtype=torch.float16))
-    tiles, nb = q8.numel() // (544 * (k // BLOCK)), k // BLOCK
-    vectors = q8.view(tiles, nb, 544)[..., :512]
+    vectors = _byte_vectors((codes.to(torch.int16) + 128).to(torch.uint8))
+    tiles, nb = vectors.shape[:2]
     halves = _tiles(_pad_rows(d.float()).view(-1, nb, 2), tiles, nb)  # [tiles, nb, 16, 2]
-    scales = halves.transpose(2, 3).contiguous().view(torch.uint8).view(tiles, nb, 128)
-    return torch.cat((vectors, scales), dim=-1).view(-1)
+    return _with_scales(vectors, halves.transpose(2, 3))
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
