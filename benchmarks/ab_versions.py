@@ -4,8 +4,10 @@ Each version runs in its own worker process (PYTHONPATH = its `src` folder), loa
 model once, builds every strategy and warms it up; both use the goodput gate's cost curve that
 A measured (a curve measured in each process would differ by timing noise and make the two
 gates draft differently; with `--own-curves` each uses its own, for a change of the kernels,
-whose costs are what changed). Then the prompts are sent to the two workers
-alternately (the version that goes first alternates too), so both see the same machine state.
+whose costs are what changed; with `--one-generator` every strategy runs on one Generator with
+the model's own curve, as in `specfork bench` and the server). Then the prompts are sent to the
+two workers alternately (the version that goes first alternates too), so both see the same
+machine state.
 Only one worker computes at a time. With `--batch N` the prompts go in groups of N through
 `generate_batch` (up to N requests decoding in each forward), and a job's speed is its generated
 tokens over its wall time (prefill included). Prints, per strategy, the median tokens/s of each
@@ -54,20 +56,23 @@ curve = loaded.model.cost_curve()  # the goodput gate's cost curve: measured, or
 if sys.argv[3] != "measure":
     rows, cost = json.loads(sys.argv[3])
     curve = type(curve)(tuple(rows), tuple(cost))
-gens = {
-    name: Generator(loaded, spec=SpecConfig(**kw), cost_curve=curve)
-    for name, kw in strategies.items()
-}
+specs = {name: SpecConfig(**kw) for name, kw in strategies.items()}
+if sys.argv[5] == "one":  # one Generator, the model's own curve: what the bench and server run
+    one = Generator(loaded)
+    gens = {name: one for name in specs}
+else:
+    gens = {name: Generator(loaded, spec=spec, cost_curve=curve) for name, spec in specs.items()}
 config = GenerationConfig(max_new_tokens=n, ignore_eos=True)
 sampling = SamplingParams(**json.loads(sys.argv[4]))
-for gen in gens.values():
-    gen.generate("Hello, how are you?", config=config)
+for name, gen in gens.items():
+    gen.generate("Hello, how are you?", config=config, spec=specs[name])
 print(json.dumps({"ready": loaded.model.describe(), "curve": [curve.rows, curve.cost]}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
-    gen, prompts = gens[job["strategy"]], job["prompts"]
+    gen, prompts, spec = gens[job["strategy"]], job["prompts"], specs[job["strategy"]]
+    gen.use_strategy(spec)
     if len(prompts) == 1:
-        result = gen.generate(prompts[0], config=config, sampling=sampling)
+        result = gen.generate(prompts[0], config=config, sampling=sampling, spec=spec)
         out = {"tok_s": result.stats.decode_tokens_per_second, "ids": [result.token_ids]}
     else:
         t0 = time.perf_counter()
@@ -83,12 +88,18 @@ class Worker:
     """One version's worker process."""
 
     def __init__(
-        self, root: Path, n: int, strategies: dict, sampling: dict, curve: list | None = None
+        self,
+        root: Path,
+        n: int,
+        strategies: dict,
+        sampling: dict,
+        curve: list | None = None,
+        one: bool = False,
     ) -> None:
         env = {**os.environ, "PYTHONPATH": str(root / "src")}
         given = "measure" if curve is None else json.dumps(curve)
         args = [sys.executable, "-c", WORKER, json.dumps(strategies), str(n), given]
-        args.append(json.dumps(sampling))
+        args += [json.dumps(sampling), "one" if one else "own"]
         self.proc = subprocess.Popen(
             args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -128,6 +139,12 @@ def main() -> None:
     ap.add_argument(
         "--own-curves", action="store_true", help="each version its own cost curve (kernels)"
     )
+    ap.add_argument(
+        "--one-generator",
+        action="store_true",
+        help="each version runs every strategy on one Generator with the model's own cost "
+        "curve, as `specfork bench` and the server do (a change to what requests share)",
+    )
     args = ap.parse_args()
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": 0}
     strategies = {**STRATEGIES, **(HEADS if args.heads else {})}
@@ -137,9 +154,10 @@ def main() -> None:
     picked = select_prompts(load_prompts(args.prompts), per_category=args.per_category)
     texts = [p.text for p in picked]
     prompts = [texts[i : i + args.batch] for i in range(0, len(texts), args.batch)]
-    a = Worker(args.a, args.max_new_tokens, strategies, sampling)  # measures the cost curve...
-    given = None if args.own_curves else a.curve  # ...B uses A's, or measures its own
-    b = Worker(args.b, args.max_new_tokens, strategies, sampling, given)
+    one = args.one_generator
+    a = Worker(args.a, args.max_new_tokens, strategies, sampling, one=one)  # measures a curve...
+    given = None if args.own_curves or one else a.curve  # ...B uses A's, or measures its own
+    b = Worker(args.b, args.max_new_tokens, strategies, sampling, given, one)
     workers = {"A": a, "B": b}
     groups = f"{len(texts)} prompts in groups of {args.batch}"
     print(f"A: {a.describe}; B: {b.describe}; {groups}; sampling {sampling}")

@@ -20,6 +20,7 @@ from specfork.engine.thread import model_thread, run_in
 from specfork.errors import ConfigError, PromptError
 from specfork.kernels import load_kernels
 from specfork.loading.loader import LoadedModel, load_model
+from specfork.strategies.rate_memory import RateBook
 from tiny_models import tiny_chat_llama
 
 REPLACEMENT = "\ufffd"
@@ -547,8 +548,10 @@ def test_the_strategy_cache_keeps_the_most_recent_and_the_default(smollm_f32) ->
 )
 def test_requests_in_flight_together_keep_their_own_state(smollm_f32, spec: SpecConfig) -> None:
     """Two streams of one strategy advanced in turn (each with its own KV cache, drafter state
-    and policy state) produce what each produces alone, with the same per-round trace."""
-    own = Generator(smollm_f32, spec=spec)
+    and policy state) produce what each produces alone, with the same per-round trace (rows
+    priced by a fixed curve, and no rates shared between requests: nothing else couples them)."""
+    curve, rates = smollm_f32.model.cost_curve(), RateBook(shared=False)
+    own = Generator(smollm_f32, spec=spec, cost_curve=curve, rates=rates)
     config = GenerationConfig(max_new_tokens=20, ignore_eos=True)
     prompts = ["Write a haiku about the sea.", "List three prime numbers and explain why."]
     alone = [own.generate(p, config=config) for p in prompts]

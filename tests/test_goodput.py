@@ -153,7 +153,10 @@ def test_the_tree_gate_through_its_protocol() -> None:
     for _ in range(20):
         gate.learn(draft, draft, Verdict([0, 2], [10, 12, 7]), costly=False)
     assert gate.trim(draft, costly=False).tokens.tolist() == [10, 12]
-    assert gate.first_rate() is None and gate.depth_for("model", 3, 0.5) is None
+    assert gate.depth_for("model", 3, 0.5) is None
+    # node 10 (depth 1) was on every accepted path, node 11 on none: the best first level
+    assert gate.first_rate() == pytest.approx((20 + 0.5 * 2) / (20 + 2))
+    assert TreeGate(FLAT).first_rate() == 0.5  # nothing seen: the prior
     unscored = Draft(tree, source="forks")
     assert gate.trim(unscored, costly=False) is unscored
     assert gate.values(unscored, [0, 1, 2, 3]) is None

@@ -16,6 +16,7 @@ from specfork.kernels import load_kernels
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.models.cost import CostCurve
 from specfork.penalties import penalized, row_paths
+from specfork.strategies.rate_memory import RateBook
 from tiny_models import tiny_chat_llama
 
 KERNELS = load_kernels() is not None
@@ -92,7 +93,9 @@ def loaded(tmp_path_factory, one_thread) -> LoadedModel:
 
 
 def _results(loaded: LoadedModel, spec: SpecConfig | None, sampling: SamplingParams) -> list:
-    gen = Generator(loaded, spec=spec, cost_curve=CURVE)
+    """Every prompt drafts from the gate's prior (no rates handed on): the tests need rows that
+    verification decides."""
+    gen = Generator(loaded, spec=spec, cost_curve=CURVE, rates=RateBook(shared=False))
     config = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     return [gen.generate(p, config=config, sampling=sampling) for p in PROMPTS]
 

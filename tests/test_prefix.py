@@ -16,6 +16,7 @@ from specfork.kernels import load_kernels
 from specfork.kv_cache import KVCache
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.models.cost import CostCurve
+from specfork.strategies.rate_memory import RateBook
 from tiny_models import tiny_chat_llama
 
 CURVE = CostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.25, 1.5, 2.3, 3.9, 6.8))
@@ -91,7 +92,7 @@ SYSTEM = "You are a helpful assistant who answers briefly and politely. " * 4
 def test_a_shared_system_prompt_is_prefilled_once_and_outputs_do_not_change(
     loaded: LoadedModel, spec: SpecConfig
 ) -> None:
-    gen = Generator(loaded, spec=spec, cost_curve=CURVE)
+    gen = Generator(loaded, spec=spec, cost_curve=CURVE, rates=RateBook(shared=False))
     config = GenerationConfig(max_new_tokens=16, ignore_eos=True)
     chats = [
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]

@@ -17,12 +17,12 @@ from safetensors.torch import save_file
 
 from cli_run import run_cli
 from distribution import goodness_of_fit
-from specfork.bench import suffix_isolation
+from specfork.bench import isolation
+from specfork.bench.isolation import TurnReset
 from specfork.bench.prompts import BenchPrompt
 from specfork.bench.records import PreparedPrompt
 from specfork.bench.runner import BenchSettings, run_benchmark
 from specfork.bench.specs import parse_strategies
-from specfork.bench.suffix_isolation import TurnReset
 from specfork.cli import build_parser
 from specfork.cli.common import resolve_strategy, spec_from_args
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
@@ -462,7 +462,7 @@ def test_a_bench_run_learns_across_prompts_but_not_across_repeats(tiny: LoadedMo
     }
     assert accepted[0, 0] == accepted[0, 1] and accepted[1, 0] == accepted[1, 1]
     assert accepted[1, 0] > accepted[0, 0]
-    assert suffix_isolation.NOTE in results.notes
+    assert isolation.SUFFIX_NOTE in results.notes
 
 
 def test_the_cli_and_the_server_objects_name_the_same_suffix_drafter() -> None:

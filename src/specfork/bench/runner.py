@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from specfork.bench import suffix_isolation
+from specfork.bench import isolation
 from specfork.bench.advice import where_speculation_pays
 from specfork.bench.machine import machine_info, peak_memory_mb, reset_peak_memory
 from specfork.bench.progress import LiveProgress
@@ -685,12 +685,14 @@ def _build_strategies(
         try:
             if spec.spec.drafts_with("suffix"):  # an index of its own, reset per turn
                 strategy.run, strategy.takes_prompt = _suffix_runner(loaded, spec, config, sampling)
-                if suffix_isolation.NOTE not in notes:
-                    notes.append(suffix_isolation.NOTE)
-                out.append(strategy)
-                continue
-            generator.use_strategy(spec.spec)  # builds (and checks) its drafter once
-            strategy.run = specfork_runner(generator, spec, config, sampling)
+                _note(notes, isolation.SUFFIX_NOTE)
+            else:
+                generator.use_strategy(spec.spec)  # builds (and checks) its drafter once
+                rates = generator.rates.memory(spec.spec)  # reset per turn
+                run = specfork_runner(generator, spec, config, sampling)
+                strategy.run, strategy.takes_prompt = isolation.isolated_runner([rates], run), True
+            if spec.spec.goodput and spec.spec.drafts:
+                _note(notes, isolation.RATES_NOTE)
         except Exception as exc:
             strategy.error = f"cannot build: {_describe(exc)}"
         out.append(strategy)
@@ -700,13 +702,19 @@ def _build_strategies(
 def _suffix_runner(
     loaded: Any, spec: StrategySpec, config: GenerationConfig, sampling: SamplingParams
 ) -> tuple[Callable[[Any], RunOutput], bool]:
-    """A suffix-index strategy's runner: its own Generator, its index reset before every
-    repeat of a turn (`suffix_isolation`)."""
+    """A suffix-index strategy's runner: its own Generator, its index and rates reset before
+    every repeat of a turn (`isolation`)."""
     from specfork.engine.generator import Generator
 
     own = Generator(loaded, spec=spec.spec)
     run = specfork_runner(own, spec, config, sampling)
-    return suffix_isolation.isolated_runner(own.stores.suffix, run), True
+    stores = [own.stores.suffix, own.rates.memory(spec.spec)]
+    return isolation.isolated_runner(stores, run), True
+
+
+def _note(notes: list[str], note: str) -> None:
+    if note not in notes:
+        notes.append(note)
 
 
 def _build_hf(

@@ -49,6 +49,7 @@ from specfork.engine.round import (
 from specfork.errors import ConfigError, ConstraintError
 from specfork.models.base import Segment
 from specfork.models.cost import CostCurve
+from specfork.models.cost_calibration import CostCalibration
 from specfork.models.target import TargetModel
 from specfork.strategies.goodput import (
     EXPLORE_EVERY,
@@ -61,6 +62,7 @@ from specfork.tree import depths
 log = logging.getLogger(__name__)
 
 STEP_HISTORY = 256  # step records kept for tracing
+LONE_DRAFT_ROWS = 64  # the most draft rows a lone request's θ looks at
 DEFAULT_STEP_ROWS = 128  # rows a step's forward may hold, unless told (at least max_running)
 
 
@@ -120,6 +122,10 @@ class Engine(Protocol):
 
     def cost_curve(self) -> CostCurve: ...
 
+    def pricing(self) -> CostCurve | CostCalibration: ...
+
+    def observe_forward(self, rows: int, tokens: int, seconds: float) -> None: ...
+
 
 @dataclass(eq=False)
 class Running:
@@ -175,6 +181,7 @@ class _Work:
     chunks: list[tuple[Running, int]] = field(default_factory=list)  # (request, rows)
     segments: list[Segment] = field(default_factory=list)
     predicted: float = 0.0
+    forward_seconds: float = 0.0  # the forward's and the LM head's time
 
 
 class Scheduler:
@@ -310,7 +317,21 @@ class Scheduler:
             except Exception as exc:  # this request's own failure
                 self._fail(running, exc)
         self._record(work, t0)
+        self._observe(work)
         return updates + self._failed
+
+    def _observe(self, work: _Work) -> None:
+        """Tell the pricing what a forward of drafting requests' rounds cost: rounds with and
+        without drafts, as the gates weigh them (plain decoding's steps, back to back with
+        little host work between, run faster than a drafting round's; a step with prompt
+        chunks says little about decoding rows)."""
+        if not work.rounds or work.chunks:
+            return
+        if any(r.req.gate.first_rate() is None for r, _ in work.rounds):
+            return
+        rows = sum(len(planned.draft) + 1 for _, planned in work.rounds)
+        tokens = sum(r.req.cache.length for r, _ in work.rounds) // len(work.rounds)
+        self.generator.observe_forward(rows, tokens, work.forward_seconds)
 
     def _schedule(self) -> _Work:
         """Plan every decoding request's round, trim the drafts together, and give the rows
@@ -352,23 +373,24 @@ class Scheduler:
         return work
 
     def _least_value(self, decoding: list[Running], budget: int, prefill: int) -> float:
-        """θ of this step's allocation (`least_paying_value`; 0 when the batch does not
-        allocate or no request drafts through a goodput gate, so that plain decoding never
-        measures the model's cost curve): what a request's best draft node must be worth to be
-        worth proposing, beside `prefill` sunk prompt rows."""
-        if not self.config.goodput or budget < 1:
+        """θ of this step's allocation (`least_paying_value`; 0 when no request drafts
+        through a goodput gate, so that plain decoding never measures the model's cost curve):
+        what a request's best draft node must be worth to be worth proposing, beside `prefill`
+        sunk prompt rows. Without a batch allocation (a lone request) each request's own gate
+        trims its drafts: θ is then the price of a row beside its root alone."""
+        if budget < 1 or all(r.req.gate.first_rate() is None for r in decoding):
             return 0.0
-        if all(r.req.gate.first_rate() is None for r in decoding):
-            return 0.0
-        fixed = len(decoding) + prefill
         curve = self._curve(decoding)
+        if not self.config.goodput:  # (a lone request's budget is its context: no draft nears it)
+            return least_paying_value(1, 1, curve, min(budget, LONE_DRAFT_ROWS))
+        fixed = len(decoding) + prefill
         return least_paying_value(len(decoding), fixed, curve, max(0, budget - prefill), prefill)
 
     def _curve(self, decoding: list[Running]) -> CostCurve:
         """The cost curve at the decoding requests' mean context (each row attends to its own
         request's cache; the mean prices the step's extra rows)."""
         mean = sum(r.req.cache.length for r in decoding) // max(1, len(decoding))
-        return self.generator.cost_curve().at(mean)
+        return self.generator.pricing().at(mean)
 
     @staticmethod
     def _propose(running: Running, floor: float) -> tuple[DraftShape, Draft, Draft]:
@@ -615,6 +637,7 @@ def _charge_forward(work: _Work, since: float) -> None:
     """Count the time since `since` (a perf_counter reading) as every round's "forward":
     each request waited for the whole of it."""
     spent = time.perf_counter() - since
+    work.forward_seconds += spent
     for running, _ in work.rounds:
         running.req.stats.verify_seconds += spent
         phases = running.req.stats.phase_seconds

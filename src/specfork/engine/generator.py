@@ -32,10 +32,12 @@ from specfork.host import cache_dir
 from specfork.kv_cache import KVCache
 from specfork.loading.loader import LoadedModel
 from specfork.models.cost import CostCurve
+from specfork.models.cost_calibration import CostCalibration
 from specfork.sampling import make_generator
 from specfork.strategies.build import build_strategy
 from specfork.strategies.goodput import Gate, NoGate, new_gate
 from specfork.strategies.policies import DraftPolicy, check_policy
+from specfork.strategies.rate_memory import RateBook
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,9 @@ class Generator:
     reproducible across processes. Strategies a request asks for (`spec=`) are built once and
     kept: the `max_strategies` most recently used, the default strategy always. `stores` are
     what drafters share across requests (the suffix index; default: new ones for this
-    Generator): every strategy it builds draws on them.
+    Generator): every strategy it builds draws on them. `rates`: each strategy's acceptance
+    counts, which its requests' goodput gates start from and add to (default: a new book;
+    `RateBook(shared=False)`: every request learns alone).
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class Generator:
         cost_curve: CostCurve | None = None,
         max_strategies: int = MAX_KEPT_STRATEGIES,
         stores: DraftStores | None = None,
+        rates: RateBook | None = None,
     ) -> None:
         check_arguments(loaded, spec, max_context, prefill_chunk, max_strategies)
         self.model = loaded.model
@@ -118,6 +123,9 @@ class Generator:
         if stores is not None and not isinstance(stores, DraftStores):
             raise ConfigError(f"stores must be a DraftStores, got {type(stores).__name__}")
         self.stores = stores or DraftStores()
+        if rates is not None and not isinstance(rates, RateBook):
+            raise ConfigError(f"rates must be a RateBook, got {type(rates).__name__}")
+        self.rates = rates or RateBook()
         if drafter is not None:
             check_drafter(drafter, loaded.model.config.num_layers)
         if policy is not None:
@@ -139,6 +147,7 @@ class Generator:
         self._free_caches: list[KVCache] = []  # caches of finished requests, for reuse
         self._warned_thread = False
         self._cost_curve = cost_curve  # None: the model's own, measured once (goodput.py)
+        self._calibration: CostCalibration | None = None  # the model's own curve, corrected
         self._grammar_tokenizer: llguidance.LLTokenizer | None = None  # built at first use
 
     # -- prompts ------------------------------------------------------------------------------
@@ -335,19 +344,35 @@ class Generator:
         return GrammarState(config.constraint, self._grammar_tokenizer, vocab, budget)
 
     def _new_gate(self) -> Gate:
-        """A fresh goodput gate for a strategy that asks for one (goodput.py)."""
+        """A fresh goodput gate for a strategy that asks for one (goodput.py), starting from
+        what the strategy's earlier requests learned (`rates`)."""
         if not (self.spec.goodput and self.drafter is not None):
             return NoGate()
-        return new_gate(self.spec.strategy_kind.tree, self.cost_curve())
+        memory = self.rates.memory(self.spec)
+        return new_gate(self.spec.strategy_kind.tree, self.pricing(), memory)
 
     def cost_curve(self) -> CostCurve:
-        """What the goodput gates assume a forward of R rows costs: the curve given to the
-        constructor, or the model's own (measured once per model and machine: stored in the
-        cache folder between processes, `models.cost_cache`)."""
+        """What a forward of R rows costs: the curve given to the constructor, or the model's
+        own (measured once per model and machine: stored in the cache folder between
+        processes, `models.cost_cache`)."""
         if self._cost_curve is None:
             stored_at = cache_dir() / "cost"
             self._cost_curve = self.model.cost_curve(self._loaded.path, stored_at)
+            self._calibration = CostCalibration(self._cost_curve)
         return self._cost_curve
+
+    def pricing(self) -> CostCurve | CostCalibration:
+        """What the goodput gates and the batch allocation price rows by: the model's own
+        curve corrected by the forwards this Generator ran (`models.cost_calibration`), or a
+        curve given to the constructor, as given (reproducible draft lengths)."""
+        curve = self.cost_curve()
+        return self._calibration or curve
+
+    def observe_forward(self, rows: int, tokens: int, seconds: float) -> None:
+        """A decoding forward of `rows` rows after `tokens` cached tokens (their mean) took
+        `seconds`: the pricing learns from it (once the model's own curve is in use)."""
+        if self._calibration is not None:
+            self._calibration.observe(rows, tokens, seconds)
 
     def _take_cache(self, length: int) -> KVCache:
         """A cache of at least `length` slots: a free one when one is big enough, else new."""

@@ -24,6 +24,7 @@ import torch
 
 from specfork.drafters.base import Draft
 from specfork.models.cost import CostCurve
+from specfork.strategies.rate_memory import RateMemory
 from specfork.tree import depths
 from specfork.verify import Verdict
 
@@ -35,10 +36,28 @@ MIN_COST = 1e-6  # one-row forwards: what rows above sunk ones cost at least
 
 @dataclass
 class AcceptanceStats:
-    """Per draft source and position: how often a drafted token was accepted."""
+    """Per draft source and position: how often a drafted token was accepted. With a
+    `memory`, it starts from the counts of the strategy's earlier requests and adds its own
+    to them (`rate_memory`)."""
 
     hits: dict[str, list[float]] = field(default_factory=dict)
     trials: dict[str, list[float]] = field(default_factory=dict)
+    memory: RateMemory | None = None
+
+    def __post_init__(self) -> None:
+        if self.memory is None:
+            return
+        for key, (h, t) in self.memory.seed().items():
+            if key[0] != "chain":
+                continue
+            _, source, i = key
+            hits = self.hits.setdefault(source, [])
+            trials = self.trials.setdefault(source, [])
+            while len(trials) <= i:
+                hits.append(0.0)
+                trials.append(0.0)
+            hits[i] += h
+            trials[i] += t
 
     def rates(self, source: str, k: int) -> list[float]:
         """a_1..a_k: the acceptance rate at each position (given the earlier ones accepted)."""
@@ -75,6 +94,8 @@ class AcceptanceStats:
         for i in range(seen):
             trials[i] += 1
             hits[i] += 1 if i < accepted else 0
+            if self.memory is not None:
+                self.memory.add(("chain", source, i), i < accepted)
 
 
 def best_length(rates: list[float], cost: CostCurve, draft_cost: float = 0.0) -> int:
@@ -224,11 +245,14 @@ class NoGate:
 class GoodputGate:
     """Trims chains to their best expected length for one request (see the module doc)."""
 
-    def __init__(self, cost: CostCurve) -> None:
+    def __init__(self, cost: CostCurve, memory: RateMemory | None = None) -> None:
+        """`memory`: the strategy's earlier requests' counts, which this one starts from and
+        adds to (None: learn from this request alone)."""
         self.curve = cost  # measured; `cost` is it at the request's context (`at_context`)
         self.cost = cost
-        self.stats = AcceptanceStats()
-        self.scored = TreeGate(cost)  # P(accepted) by prior score, for drafts that carry one
+        self.stats = AcceptanceStats(memory=memory)
+        # P(accepted) by prior score, for drafts that carry one
+        self.scored = TreeGate(cost, memory, kind="scored")
         self._idle: dict[str, int] = {}  # rounds since a costly source last drafted
 
     def length(self, source: str, drafted: int, draft_cost: float = 0.0) -> int:
@@ -325,11 +349,20 @@ class TreeGate:
     E(n) = 1 + Σ P(node) tokens for c(n + 1); the gate keeps the n that maximises the ratio.
     """
 
-    def __init__(self, cost: CostCurve) -> None:
+    def __init__(
+        self, cost: CostCurve, memory: RateMemory | None = None, kind: str = "tree"
+    ) -> None:
+        """`memory`: the strategy's earlier requests' counts under `kind` (a chain gate's
+        calibration of scored chains keeps its own), which this gate starts from and adds to."""
         self.curve = cost  # measured; `cost` is it at the request's context (`at_context`)
         self.cost = cost
         self.hits: dict[tuple[int, int], float] = {}
         self.trials: dict[tuple[int, int], float] = {}
+        self.memory, self.kind = memory, kind
+        self.paid = True  # whether the last tree this gate trimmed kept a node
+        for key, (h, t) in (memory.seed() if memory is not None else {}).items():
+            if key[0] == kind:
+                self.hits[key[1:]], self.trials[key[1:]] = h, t
 
     def probability(self, score: float, depth: int) -> float:
         """P(a node of this prior score and depth is on the accepted path), as learned."""
@@ -361,6 +394,8 @@ class TreeGate:
             key = _node_key(score, depth)
             self.trials[key] = self.trials.get(key, 0.0) + 1
             self.hits[key] = self.hits.get(key, 0.0) + (node in on_path)
+            if self.memory is not None:
+                self.memory.add((self.kind, *key), node in on_path)
 
     # -- the Gate protocol ------------------------------------------------------------------
     def depth_for(self, source: str, depth: int, draft_cost: float) -> int | None:
@@ -371,6 +406,7 @@ class TreeGate:
         if not len(proposed) or proposed.scores is None:
             return proposed
         keep = self.keep(proposed.scores.tolist(), depths(proposed.tree).tolist())
+        self.paid = any(keep)
         return proposed.subset(torch.tensor(keep, dtype=torch.bool))
 
     def values(self, draft: Draft, order: list[int]) -> list[float] | None:
@@ -390,13 +426,21 @@ class TreeGate:
         self.observe(draft.scores.tolist(), node_depths, verdict.path)
 
     def first_rate(self) -> float | None:
-        return None
+        """The best rate of a first-level node seen so far (the prior before any): no node
+        of a tree is worth more than its best first-level node, so when that one cannot pay
+        for a row, no tree can (the scheduler then skips drafting). 0 when the last tree
+        trimmed kept nothing: no tree paid at this context and these rates (the scheduler
+        still drafts one round in EXPLORE_EVERY, which asks again)."""
+        if not self.paid:
+            return 0.0
+        seen = [self._p(key, 1.0) for key, t in self.trials.items() if key[0] == 1 and t > 0]
+        return max(seen, default=PRIOR)
 
     def at_context(self, tokens: int) -> None:
         self.cost = self.curve.at(tokens)
 
 
-def new_gate(tree: bool, cost: CostCurve) -> Gate:
+def new_gate(tree: bool, cost: CostCurve, memory: RateMemory | None = None) -> Gate:
     """A fresh gate for a request that drafts: a tree gate for tree strategies (SPORK), else a
-    chain gate."""
-    return TreeGate(cost) if tree else GoodputGate(cost)
+    chain gate; it starts from `memory`, its strategy's earlier requests, and adds to it."""
+    return TreeGate(cost, memory) if tree else GoodputGate(cost, memory)
