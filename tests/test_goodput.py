@@ -304,3 +304,14 @@ def test_a_slow_first_proposal_does_not_keep_the_gate_off() -> None:
     assert meter.cost == pytest.approx(1.25)
     meter.observe(0.0003, 1)
     assert meter.cost == pytest.approx(0.075)
+
+
+def test_an_unseen_tree_bucket_starts_from_its_depths_pooled_rate() -> None:
+    gate = TreeGate(FLAT)
+    assert gate.probability(0.25, 1) == 0.25  # nothing seen: the prior, capped by the score
+    tree = Tree(torch.tensor([10, 11]), torch.tensor([-1, -1]))  # two first-level forks
+    draft = Draft(tree, scores=torch.tensor([1.0, 0.5], dtype=torch.float64), source="forks")
+    for _ in range(30):  # neither is ever accepted
+        gate.learn(draft, draft, Verdict([], [7]), costly=False)
+    assert gate.probability(0.25, 1) < 0.05  # an octave never tried: depth 1 pays rarely
+    assert gate.probability(0.25, 2) == 0.25  # another depth: still the prior

@@ -347,6 +347,9 @@ class TreeGate:
     parent). With P(node) the rate at which nodes like it (same depth, same score octave) have
     been on the accepted path in this request, keeping the first n nodes emits
     E(n) = 1 + Σ P(node) tokens for c(n + 1); the gate keeps the n that maximises the ratio.
+    A bucket not seen yet starts from its depth's pooled rate (every octave at that depth
+    together, itself from the prior 0.5), capped by the node's score: a request whose
+    first-level forks are rarely accepted stops trusting the octaves it has not tried yet.
     """
 
     def __init__(
@@ -358,20 +361,32 @@ class TreeGate:
         self.cost = cost
         self.hits: dict[tuple[int, int], float] = {}
         self.trials: dict[tuple[int, int], float] = {}
+        self._depth_counts: dict[int, tuple[float, float]] = {}  # depth -> (hits, trials)
         self.memory, self.kind = memory, kind
         self.paid = True  # whether the last tree this gate trimmed kept a node
         for key, (h, t) in (memory.seed() if memory is not None else {}).items():
             if key[0] == kind:
-                self.hits[key[1:]], self.trials[key[1:]] = h, t
+                self._add(key[1:], h, t)
 
     def probability(self, score: float, depth: int) -> float:
         """P(a node of this prior score and depth is on the accepted path), as learned."""
         return self._p(_node_key(score, depth), score)
 
     def _p(self, key: tuple[int, int], score: float) -> float:
-        prior = min(PRIOR, score)
+        prior = min(self._pooled(key[0]), score)
         h, t = self.hits.get(key, 0.0), self.trials.get(key, 0.0)
         return (h + prior * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+
+    def _pooled(self, depth: int) -> float:
+        """The rate of every bucket at `depth` together, from the prior 0.5."""
+        h, t = self._depth_counts.get(depth, (0.0, 0.0))
+        return (h + PRIOR * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+
+    def _add(self, key: tuple[int, int], hits: float, trials: float) -> None:
+        self.hits[key] = self.hits.get(key, 0.0) + hits
+        self.trials[key] = self.trials.get(key, 0.0) + trials
+        h, t = self._depth_counts.get(key[0], (0.0, 0.0))
+        self._depth_counts[key[0]] = (h + hits, t + trials)
 
     def keep(self, scores: list[float], node_depths: list[int]) -> list[bool]:
         """Which nodes to verify (a prefix of the nodes ranked by score, ties: earlier)."""
@@ -392,8 +407,7 @@ class TreeGate:
         on_path = set(path)
         for node, (score, depth) in enumerate(zip(scores, node_depths, strict=True)):
             key = _node_key(score, depth)
-            self.trials[key] = self.trials.get(key, 0.0) + 1
-            self.hits[key] = self.hits.get(key, 0.0) + (node in on_path)
+            self._add(key, float(node in on_path), 1.0)
             if self.memory is not None:
                 self.memory.add((self.kind, *key), node in on_path)
 
