@@ -315,3 +315,16 @@ def test_an_unseen_tree_bucket_starts_from_its_depths_pooled_rate() -> None:
         gate.learn(draft, draft, Verdict([], [7]), costly=False)
     assert gate.probability(0.25, 1) < 0.05  # an octave never tried: depth 1 pays rarely
     assert gate.probability(0.25, 2) == 0.25  # another depth: still the prior
+
+
+def test_after_a_tree_that_kept_nothing_the_next_one_verifies_its_best_node() -> None:
+    """Kept nodes are all a tree gate learns from: once no node pays, the exploration round
+    (the scheduler's one in EXPLORE_EVERY) verifies the best one, so the rates can recover."""
+    gate = TreeGate(STEEP)  # linear cost: no node pays at the prior
+    tree = Tree(torch.tensor([10, 11, 12]), torch.tensor([-1, -1, 0]))
+    draft = Draft(tree, scores=torch.tensor([0.5, 0.9, 0.4], dtype=torch.float64), source="forks")
+    assert len(gate.trim(draft, costly=False)) == 0 and gate.first_rate() == 0.0
+    explored = gate.trim(draft, costly=False)
+    assert explored.tokens.tolist() == [11] and gate.first_rate() == 0.0  # still not paying
+    free = TreeGate(FLAT)
+    assert len(free.trim(draft, costly=False)) == 3 and free.first_rate() == 0.5

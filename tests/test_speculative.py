@@ -40,6 +40,7 @@ from specfork.engine.generator import GenerationResult, Generator
 from specfork.loading.loader import LoadedModel
 from specfork.loading.registry import DEFAULT_MODEL
 from specfork.models.cost import CostCurve
+from specfork.strategies.rate_memory import RateBook
 
 pytestmark = pytest.mark.slow
 
@@ -185,7 +186,14 @@ def spec_gen(smollm_f32: LoadedModel) -> Iterator[Callable[[str], Generator]]:
 
     def get(name: str) -> Generator:
         if name not in made:
-            made[name] = Generator(smollm_f32, spec=EXACT_PLAN[name][0], cost_curve=CURVE)
+            # each request's gate starts afresh: what it drafts depends on its prompt alone,
+            # not on which requests this worker happened to run before it
+            made[name] = Generator(
+                smollm_f32,
+                spec=EXACT_PLAN[name][0],
+                cost_curve=CURVE,
+                rates=RateBook(shared=False),
+            )
         return made[name]
 
     yield get

@@ -416,11 +416,18 @@ class TreeGate:
         return None
 
     def trim(self, proposed: Draft, costly: bool) -> Draft:
-        """A scored draft's best nodes (unscored drafts are verified whole)."""
+        """A scored draft's best nodes (unscored drafts are verified whole). After a tree
+        that kept nothing (the scheduler then skips drafting but for one round in
+        EXPLORE_EVERY) the best node is verified even when it does not pay: kept nodes are all
+        a tree gate learns from, and without them its rates could never recover."""
         if not len(proposed) or proposed.scores is None:
             return proposed
-        keep = self.keep(proposed.scores.tolist(), depths(proposed.tree).tolist())
+        scores = proposed.scores.tolist()
+        keep = self.keep(scores, depths(proposed.tree).tolist())
+        explore = not self.paid
         self.paid = any(keep)
+        if explore and not self.paid:
+            keep[min(range(len(scores)), key=lambda i: (-scores[i], i))] = True
         return proposed.subset(torch.tensor(keep, dtype=torch.bool))
 
     def values(self, draft: Draft, order: list[int]) -> list[float] | None:
