@@ -40,6 +40,10 @@ HEADS = {  # with --heads: the packaged draft head (both versions must ship one)
     "head k=1, gate off": {"strategy": "speculative", "drafter": "head", "k": 1, "goodput": False},
     "ngram+head": {"strategy": "speculative", "drafter": "ngram+head"},
 }
+SUFFIX = {  # with --suffix: the suffix drafter (shared across each version's requests)
+    "dspark suffix": {"strategy": "dspark", "drafter": "suffix"},
+    "spork recycle+suffix": {"strategy": "spork", "drafter": "recycle+suffix"},
+}
 
 WORKER = r"""
 import json, sys, time
@@ -133,6 +137,7 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--heads", action="store_true", help="also the packaged draft head's chains")
+    ap.add_argument("--suffix", action="store_true", help="also the suffix drafter's strategies")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together (1: alone)")
@@ -147,7 +152,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": 0}
-    strategies = {**STRATEGIES, **(HEADS if args.heads else {})}
+    strategies = {**STRATEGIES, **(HEADS if args.heads else {}), **(SUFFIX if args.suffix else {})}
     sys.path.insert(0, str(args.b / "src"))
     from specfork.bench.prompts import load_prompts, select_prompts
 

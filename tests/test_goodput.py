@@ -23,6 +23,7 @@ from specfork.strategies.goodput import (
     NoGate,
     TreeGate,
     best_length,
+    would_accept,
 )
 from specfork.tree import Tree
 from specfork.verify import Verdict
@@ -103,13 +104,13 @@ def test_a_costly_drafter_the_gate_turned_off_still_explores() -> None:
 def test_tree_gate_keeps_the_best_nodes_while_they_pay() -> None:
     gate = TreeGate(CostCurve((1, 2, 3, 4, 5), (1.0, 1.2, 1.4, 1.6, 1.8)))
     scores = [1.0, 0.5, 1.0, 0.25]  # nodes 0 and 2 score best
-    keep = gate.keep(scores, [1, 1, 2, 2])
+    keep = gate.keep(scores, [-1, -1, 0, 1])
     assert keep == [True, True, True, False]  # priors min(0.5, score): the 0.25 node does not pay
     for _ in range(20):  # nodes like 0 and 2 always on the path, the others never
-        gate.observe(scores, [1, 1, 2, 2], [0, 2])
-    assert gate.keep(scores, [1, 1, 2, 2]) == [True, False, True, False]
+        gate.observe(scores, [-1, -1, 0, 1], [0, 2])
+    assert gate.keep(scores, [-1, -1, 0, 1]) == [True, False, True, False]
     free = TreeGate(FLAT)
-    assert free.keep(scores, [1, 1, 2, 2]) == [True, True, True, True]
+    assert free.keep(scores, [-1, -1, 0, 1]) == [True, True, True, True]
 
 
 def test_no_gate_verifies_everything_and_learns_nothing() -> None:
@@ -313,18 +314,51 @@ def test_an_unseen_tree_bucket_starts_from_its_depths_pooled_rate() -> None:
     draft = Draft(tree, scores=torch.tensor([1.0, 0.5], dtype=torch.float64), source="forks")
     for _ in range(30):  # neither is ever accepted
         gate.learn(draft, draft, Verdict([], [7]), costly=False)
-    assert gate.probability(0.25, 1) < 0.05  # an octave never tried: depth 1 pays rarely
-    assert gate.probability(0.25, 2) == 0.25  # another depth: still the prior
+    assert gate.probability(0.25, 1, "forks") < 0.05  # an octave never tried: depth 1 pays rarely
+    assert gate.probability(0.25, 2, "forks") == 0.25  # another depth: still the prior
 
 
-def test_after_a_tree_that_kept_nothing_the_next_one_verifies_its_best_node() -> None:
-    """Kept nodes are all a tree gate learns from: once no node pays, the exploration round
-    (the scheduler's one in EXPLORE_EVERY) verifies the best one, so the rates can recover."""
-    gate = TreeGate(STEEP)  # linear cost: no node pays at the prior
+def test_would_accept_reads_the_emitted_tokens_along_each_path() -> None:
+    # root ─ 10 ─ 12 ─ 14      emitted 10 12 7: node 0 and 2 verified on the path,
+    #      │    └ 13           node 1 (11) a miss, node 4 (15) below it a miss too,
+    #      └ 11 ─ 15           node 3 (13) a miss at depth 2, node 5 (14) at depth 3 ≠ 7
+    tokens, parents = [10, 11, 12, 13, 15, 14], [-1, -1, 0, 0, 1, 2]
+    depth, hits = would_accept(tokens, parents, Verdict([0], [10, 12, 7]))
+    assert depth == [1, 1, 2, 2, 2, 3]
+    assert hits == [True, False, True, False, False, False]  # node 2 trimmed, yet a hit
+    # only the target's own token emitted: depth 2 and below are not known
+    depth, hits = would_accept(tokens, parents, Verdict([], [10]))
+    assert hits == [True, False, None, None, False, None]
+
+
+def test_a_trimmed_bucket_goes_on_learning_and_comes_back() -> None:
+    """A tree gate learns from every proposed node, verified or not: a node that does not pay
+    at the prior is trimmed, and once the target emits its token round after round it is
+    verified again."""
+    gate = TreeGate(CostCurve((1, 2, 3, 4), (1.0, 1.7, 2.4, 3.1)))  # a row: 0.7 of a step
     tree = Tree(torch.tensor([10, 11, 12]), torch.tensor([-1, -1, 0]))
-    draft = Draft(tree, scores=torch.tensor([0.5, 0.9, 0.4], dtype=torch.float64), source="forks")
+    draft = Draft(tree, scores=torch.tensor([0.9, 0.4, 0.5], dtype=torch.float64), source="forks")
     assert len(gate.trim(draft, costly=False)) == 0 and gate.first_rate() == 0.0
-    explored = gate.trim(draft, costly=False)
-    assert explored.tokens.tolist() == [11] and gate.first_rate() == 0.0  # still not paying
-    free = TreeGate(FLAT)
-    assert len(free.trim(draft, costly=False)) == 3 and free.first_rate() == 0.5
+    for _ in range(30):  # nothing verified; the target's own token is 10 each round
+        kept = gate.trim(draft, costly=False)
+        gate.learn(draft, kept, Verdict([0] if len(kept) else [], [10]), costly=False)
+    assert gate.probability(0.9, 1, "forks") > 0.9 and gate.probability(0.4, 1, "forks") < 0.1
+    assert gate.trim(draft, costly=False).tokens.tolist() == [10]
+    assert gate.first_rate() > 0.9  # the scheduler drafts for it again
+
+
+def test_the_tree_gate_tells_its_sources_apart() -> None:
+    """Two sources' first nodes both score 1: the gate learns that one of them is accepted
+    and the other is not, and spends rows on the first only (one bucket per source)."""
+    gate = TreeGate(CostCurve((1, 2, 3, 4, 5), (1.0, 1.3, 1.6, 1.9, 2.2)))  # a row: 0.3 step
+    tree = Tree(torch.tensor([10, 11, 12, 13]), torch.tensor([-1, -1, 0, 1]))
+    scores = torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    origins = ("suffix", "recycle", "suffix", "recycle")
+    draft = Draft(tree, scores=scores, source="suffix+recycle", origins=origins)
+    assert len(gate.trim(draft, costly=False)) == 4  # the prior: every node pays a 0.3 row
+    for _ in range(20):  # the suffix chain 10 12 is right every time
+        gate.learn(draft, draft, Verdict([0, 2], [10, 12, 9]), costly=False)
+    assert gate.trim(draft, costly=False).tokens.tolist() == [10, 12]
+    assert gate.probability(1.0, 1, "recycle") < 0.1 < 0.9 < gate.probability(1.0, 1, "suffix")
+    # a recycled node below a wrong one is worth no more than its parent, whatever its bucket
+    assert gate.values(draft, [0, 1, 2, 3])[3] <= gate.values(draft, [0, 1, 2, 3])[1]

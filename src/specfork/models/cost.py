@@ -55,6 +55,10 @@ class CostCurve:
         slope = (self.cost[-1] - self.cost[-2]) / (self.rows[-1] - self.rows[-2])
         return self.cost[-1] + slope * (r - self.rows[-1])
 
+    def table(self, most: int) -> tuple[float, ...]:
+        """c(0..most): the cost of 0 to `most` rows (index 0 unused, c(1)), memoised."""
+        return _table(self, most)
+
     def at(self, tokens: int) -> CostCurve:
         """The curve for forwards after `tokens` cached tokens (itself without `far` or up to
         its own context); contexts are taken in steps of 64 tokens."""
@@ -83,6 +87,11 @@ class CostCurve:
             step = far[0] / near[0]
             curve = cls(ROWS, curve.cost, context, cls(ROWS, _relative(far), far_context), step)
         return curve
+
+
+@functools.lru_cache(maxsize=1024)
+def _table(curve: CostCurve, most: int) -> tuple[float, ...]:
+    return tuple(curve(max(r, 1)) for r in range(most + 1))
 
 
 @functools.lru_cache(maxsize=256)

@@ -25,7 +25,6 @@ import torch
 from specfork.drafters.base import Draft
 from specfork.models.cost import CostCurve
 from specfork.strategies.rate_memory import RateMemory
-from specfork.tree import depths
 from specfork.verify import Verdict
 
 PRIOR = 0.5  # acceptance assumed at a position not yet observed
@@ -319,7 +318,7 @@ class GoodputGate:
         """How many leading tokens of an already drafted chain to verify, judged by the
         drafter's own prior scores (non-increasing: a trained head's cumulative q) as
         calibrated in this request: the drafting is paid, only verification rows remain."""
-        return sum(self.scored.keep(scores, list(range(1, len(scores) + 1))))
+        return sum(self.scored.keep(scores, list(range(-1, len(scores) - 1))))
 
     def observe_scored(self, scores: list[float], drafted: list[int], emitted: list[int]) -> None:
         """Learn the calibration from a scored chain (before trimming) and the emitted tokens:
@@ -330,26 +329,32 @@ class GoodputGate:
             matched += 1
         seen = min(len(drafted), len(emitted))
         known = len(drafted) if matched < seen else seen  # a mismatch: every later node missed
-        depths = list(range(1, known + 1))
-        self.scored.observe(scores[:known], depths, list(range(matched)))
+        self.scored.observe(scores[:known], list(range(-1, known - 1)), list(range(matched)))
 
 
-def _node_key(score: float, depth: int) -> tuple[int, int]:
-    """Statistics bucket of a tree node: its depth (capped) and its prior score's octave."""
+@functools.lru_cache(maxsize=4096)  # a handful of sources, depths and score values recur
+def _node_key(origin: str, score: float, depth: int) -> tuple[str, int, int]:
+    """Statistics bucket of a tree node: the source that proposed it, its depth (capped) and
+    its prior score's octave."""
     octave = 0 if score >= 1.0 else min(8, int(-math.log2(max(score, 1e-9))) + 1)
-    return min(depth, 8), octave
+    return origin, min(depth, 8), octave
 
 
 class TreeGate:
     """Cost-aware node budget of a SPORK round.
 
-    The drafter's nodes come ranked by prior score (the best first, every node after its
-    parent). With P(node) the rate at which nodes like it (same depth, same score octave) have
-    been on the accepted path in this request, keeping the first n nodes emits
-    E(n) = 1 + Σ P(node) tokens for c(n + 1); the gate keeps the n that maximises the ratio.
-    A bucket not seen yet starts from its depth's pooled rate (every octave at that depth
-    together, itself from the prior 0.5), capped by the node's score: a request whose
-    first-level forks are rarely accepted stops trusting the octaves it has not tried yet.
+    With P(node) the rate at which nodes like it (same source, depth and score octave) have
+    been, or would have been, on the accepted path in this request (every proposed node is
+    judged by the emitted tokens, the trimmed ones too: `would_accept`), capped by its
+    parent's (a node is on the path only below its parent), the nodes are ranked by P (ties:
+    the earlier; every node then comes after its parent) and keeping the first n emits
+    E(n) = 1 + Σ P(node) tokens for c(n + 1): the gate keeps the n that maximises the ratio.
+    Sources are told apart because their nodes of one score are not alike: a suffix match's
+    chain and the recycled top-1 fork both score 1, and on repetitive text the first is
+    accepted several times as often. A bucket not seen yet starts from the pooled rate of
+    its source's nodes at that depth (itself from the prior 0.5), capped by the node's score:
+    a source whose first-level nodes are rarely accepted is not trusted in octaves it has
+    not tried yet.
     """
 
     def __init__(
@@ -359,42 +364,62 @@ class TreeGate:
         calibration of scored chains keeps its own), which this gate starts from and adds to."""
         self.curve = cost  # measured; `cost` is it at the request's context (`at_context`)
         self.cost = cost
-        self.hits: dict[tuple[int, int], float] = {}
-        self.trials: dict[tuple[int, int], float] = {}
-        self._depth_counts: dict[int, tuple[float, float]] = {}  # depth -> (hits, trials)
+        self.hits: dict[tuple[str, int, int], float] = {}
+        self.trials: dict[tuple[str, int, int], float] = {}
+        self._pool: dict[tuple[str, int], tuple[float, float]] = {}  # (source, depth) -> counts
         self.memory, self.kind = memory, kind
         self.paid = True  # whether the last tree this gate trimmed kept a node
         for key, (h, t) in (memory.seed() if memory is not None else {}).items():
             if key[0] == kind:
                 self._add(key[1:], h, t)
 
-    def probability(self, score: float, depth: int) -> float:
-        """P(a node of this prior score and depth is on the accepted path), as learned."""
-        return self._p(_node_key(score, depth), score)
+    def probability(self, score: float, depth: int, origin: str = "") -> float:
+        """P(a node of this source, prior score and depth is on the accepted path), as
+        learned (not capped by a parent)."""
+        return self._p(_node_key(origin, score, depth), score)
 
-    def _p(self, key: tuple[int, int], score: float) -> float:
-        prior = min(self._pooled(key[0]), score)
+    def _p(self, key: tuple[str, int, int], score: float) -> float:
+        prior = min(self._pooled(key[0], key[1]), score)
         h, t = self.hits.get(key, 0.0), self.trials.get(key, 0.0)
         return (h + prior * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
 
-    def _pooled(self, depth: int) -> float:
-        """The rate of every bucket at `depth` together, from the prior 0.5."""
-        h, t = self._depth_counts.get(depth, (0.0, 0.0))
+    def _pooled(self, origin: str, depth: int) -> float:
+        """The rate of every bucket of `origin` at `depth` together, from the prior 0.5."""
+        h, t = self._pool.get((origin, depth), (0.0, 0.0))
         return (h + PRIOR * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
 
-    def _add(self, key: tuple[int, int], hits: float, trials: float) -> None:
+    def _add(self, key: tuple[str, int, int], hits: float, trials: float) -> None:
         self.hits[key] = self.hits.get(key, 0.0) + hits
         self.trials[key] = self.trials.get(key, 0.0) + trials
-        h, t = self._depth_counts.get(key[0], (0.0, 0.0))
-        self._depth_counts[key[0]] = (h + hits, t + trials)
+        h, t = self._pool.get(key[:2], (0.0, 0.0))
+        self._pool[key[:2]] = (h + hits, t + trials)
 
-    def keep(self, scores: list[float], node_depths: list[int]) -> list[bool]:
-        """Which nodes to verify (a prefix of the nodes ranked by score, ties: earlier)."""
-        order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
-        best, best_value, expected = 0, 1.0 / self.cost(1), 1.0
+    def node_values(
+        self, scores: list[float], parents: list[int], origins: list[str] | None = None
+    ) -> list[float]:
+        """P(each node is on the accepted path): its bucket's rate, capped by its parent's
+        (nodes in topological order; `origins` None: one unnamed source)."""
+        out: list[float] = []
+        node_depths: list[int] = []
+        for i, (score, parent) in enumerate(zip(scores, parents, strict=True)):
+            depth = 1 if parent < 0 else node_depths[parent] + 1
+            p = self._p(_node_key(origins[i] if origins else "", score, depth), score)
+            out.append(p if parent < 0 else min(p, out[parent]))
+            node_depths.append(depth)
+        return out
+
+    def keep(
+        self, scores: list[float], parents: list[int], origins: list[str] | None = None
+    ) -> list[bool]:
+        """Which nodes to verify: the best by `node_values` (ties: the earlier), as many as
+        pay; every kept node's parent is kept."""
+        values = self.node_values(scores, parents, origins)
+        order = sorted(range(len(scores)), key=lambda i: (-values[i], i))
+        cost = self.cost.table(len(scores) + 1)
+        best, best_value, expected = 0, 1.0 / cost[1], 1.0
         for n, node in enumerate(order, start=1):
-            expected += self._p(_node_key(scores[node], node_depths[node]), scores[node])
-            value = expected / self.cost(n + 1)
+            expected += values[node]
+            value = expected / cost[n + 1]
             if value > best_value:
                 best, best_value = n, value
         keep = [False] * len(scores)
@@ -402,49 +427,68 @@ class TreeGate:
             keep[node] = True
         return keep
 
-    def observe(self, scores: list[float], node_depths: list[int], path: list[int]) -> None:
+    def observe(
+        self,
+        scores: list[float],
+        parents: list[int],
+        path: list[int],
+        origins: list[str] | None = None,
+    ) -> None:
         """Learn from a verified tree: which nodes were on the accepted path."""
         on_path = set(path)
-        for node, (score, depth) in enumerate(zip(scores, node_depths, strict=True)):
-            key = _node_key(score, depth)
-            self._add(key, float(node in on_path), 1.0)
-            if self.memory is not None:
-                self.memory.add((self.kind, *key), node in on_path)
+        hits: list[bool | None] = [i in on_path for i in range(len(scores))]
+        self.observe_outcomes(scores, _depths(parents), hits, origins)
+
+    def observe_outcomes(
+        self,
+        scores: list[float],
+        node_depths: list[int],
+        hits: list[bool | None],
+        origins: list[str] | None = None,
+    ) -> None:
+        """Learn whether each node was (or would have been) on the accepted path; None: not
+        known, not counted."""
+        seen = []
+        for i, (score, depth, hit) in enumerate(zip(scores, node_depths, hits, strict=True)):
+            if hit is None:
+                continue
+            key = _node_key(origins[i] if origins else "", score, depth)
+            self._add(key, float(hit), 1.0)
+            seen.append(((self.kind, *key), hit))
+        if self.memory is not None:
+            self.memory.add_many(seen)
 
     # -- the Gate protocol ------------------------------------------------------------------
     def depth_for(self, source: str, depth: int, draft_cost: float) -> int | None:
         return None
 
     def trim(self, proposed: Draft, costly: bool) -> Draft:
-        """A scored draft's best nodes (unscored drafts are verified whole). After a tree
-        that kept nothing (the scheduler then skips drafting but for one round in
-        EXPLORE_EVERY) the best node is verified even when it does not pay: kept nodes are all
-        a tree gate learns from, and without them its rates could never recover."""
+        """A scored draft's best nodes (unscored drafts are verified whole)."""
         if not len(proposed) or proposed.scores is None:
             return proposed
-        scores = proposed.scores.tolist()
-        keep = self.keep(scores, depths(proposed.tree).tolist())
-        explore = not self.paid
+        keep = self.keep(
+            proposed.scores.tolist(), proposed.tree.parents.tolist(), _origins(proposed)
+        )
         self.paid = any(keep)
-        if explore and not self.paid:
-            keep[min(range(len(scores)), key=lambda i: (-scores[i], i))] = True
         return proposed.subset(torch.tensor(keep, dtype=torch.bool))
 
     def values(self, draft: Draft, order: list[int]) -> list[float] | None:
         if draft.scores is None:
             return None
-        scores, node_depths = draft.scores.tolist(), depths(draft.tree).tolist()
-        return [self.probability(scores[i], node_depths[i]) for i in order]
+        values = self.node_values(
+            draft.scores.tolist(), draft.tree.parents.tolist(), _origins(draft)
+        )
+        return [values[i] for i in order]
 
     def learn(self, proposed: Draft, draft: Draft, verdict: Verdict, costly: bool) -> None:
-        """Which verified nodes were on the accepted path, by score and depth."""
-        if draft.scores is None or not len(draft):
+        """Which of the proposed nodes, verified or trimmed, were or would have been on the
+        accepted path, by source, score and depth (`would_accept`): a bucket the gate trims
+        away goes on learning, so it is kept again when its nodes start to pay."""
+        if proposed.scores is None or not len(proposed):
             return
-        if draft.is_chain:
-            node_depths = list(range(1, len(draft) + 1))
-        else:
-            node_depths = depths(draft.tree).tolist()
-        self.observe(draft.scores.tolist(), node_depths, verdict.path)
+        tree = proposed.tree
+        node_depths, hits = would_accept(tree.tokens.tolist(), tree.parents.tolist(), verdict)
+        self.observe_outcomes(proposed.scores.tolist(), node_depths, hits, _origins(proposed))
 
     def first_rate(self) -> float | None:
         """The best rate of a first-level node seen so far (the prior before any): no node
@@ -454,11 +498,51 @@ class TreeGate:
         still drafts one round in EXPLORE_EVERY, which asks again)."""
         if not self.paid:
             return 0.0
-        seen = [self._p(key, 1.0) for key, t in self.trials.items() if key[0] == 1 and t > 0]
+        seen = [self._p(key, 1.0) for key, t in self.trials.items() if key[1] == 1 and t > 0]
         return max(seen, default=PRIOR)
 
     def at_context(self, tokens: int) -> None:
         self.cost = self.curve.at(tokens)
+
+
+def _origins(draft: Draft) -> list[str]:
+    """The source of each node of `draft`."""
+    return list(draft.origins) if draft.origins else [draft.source] * len(draft)
+
+
+def _depths(parents: list[int]) -> list[int]:
+    """Each node's depth (1: a child of the root), nodes in topological order."""
+    out: list[int] = []
+    for parent in parents:
+        out.append(1 if parent < 0 else out[parent] + 1)
+    return out
+
+
+def would_accept(
+    tokens: list[int], parents: list[int], verdict: Verdict
+) -> tuple[list[int], list[bool | None]]:
+    """Each node's depth, and whether it would have been on the accepted path had it been
+    verified: its path spells the round's first emitted tokens (exactly so for greedy
+    decoding, whose emitted tokens are the target's own; an estimate for sampling). None
+    where the emitted tokens stop above it: nothing says what the target would have done.
+    Verified nodes get what the verifier decided."""
+    emitted, on_path = verdict.tokens, set(verdict.path)
+    node_depths: list[int] = []
+    hits: list[bool | None] = []
+    for node, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
+        depth = 1 if parent < 0 else node_depths[parent] + 1
+        above = True if parent < 0 else hits[parent]
+        if node in on_path:
+            hit: bool | None = True
+        elif above is False:
+            hit = False  # below a miss
+        elif above is None or depth > len(emitted):
+            hit = None
+        else:
+            hit = token == emitted[depth - 1]
+        node_depths.append(depth)
+        hits.append(hit)
+    return node_depths, hits
 
 
 def new_gate(tree: bool, cost: CostCurve, memory: RateMemory | None = None) -> Gate:

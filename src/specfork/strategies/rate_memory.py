@@ -40,13 +40,18 @@ class RateMemory:
 
     def add(self, key: Hashable, hit: bool) -> None:
         """One trial of `key`, a hit or not."""
+        self.add_many([(key, hit)])
+
+    def add_many(self, trials: list[tuple[Hashable, bool]]) -> None:
+        """Several trials (key, hit), under one lock."""
         with self._lock:
-            counts = self._counts.setdefault(key, [0.0, 0.0])
-            counts[0] += 1.0 if hit else 0.0
-            counts[1] += 1.0
-            if counts[1] > self.cap:
-                counts[0] /= 2
-                counts[1] /= 2
+            for key, hit in trials:
+                counts = self._counts.setdefault(key, [0.0, 0.0])
+                counts[0] += 1.0 if hit else 0.0
+                counts[1] += 1.0
+                if counts[1] > self.cap:
+                    counts[0] /= 2
+                    counts[1] /= 2
 
     def seed(self) -> Counts:
         """What a new request starts from: every key's counts, scaled to at most
