@@ -105,7 +105,7 @@ def test_tree_gate_keeps_the_best_nodes_while_they_pay() -> None:
     gate = TreeGate(CostCurve((1, 2, 3, 4, 5), (1.0, 1.2, 1.4, 1.6, 1.8)))
     scores = [1.0, 0.5, 1.0, 0.25]  # nodes 0 and 2 score best
     keep = gate.keep(scores, [-1, -1, 0, 1])
-    assert keep == [True, True, True, False]  # priors min(0.5, score): the 0.25 node does not pay
+    assert keep == [True, True, False, False]  # priors 0.5 a level: depth 2 is worth 0.25
     for _ in range(20):  # nodes like 0 and 2 always on the path, the others never
         gate.observe(scores, [-1, -1, 0, 1], [0, 2])
     assert gate.keep(scores, [-1, -1, 0, 1]) == [True, False, True, False]
@@ -149,8 +149,8 @@ def test_the_tree_gate_through_its_protocol() -> None:
     tree = Tree(torch.tensor([10, 11, 12, 13]), torch.tensor([-1, -1, 0, 1]))  # depths 1 1 2 2
     draft = Draft(tree, scores=scores, source="forks")
     kept = gate.trim(draft, costly=False)
-    assert kept.tokens.tolist() == [10, 11, 12]  # as `keep` says: the 0.25 node does not pay
-    assert gate.values(draft, [0, 2, 1, 3]) == pytest.approx([0.5, 0.5, 0.5, 0.25])
+    assert kept.tokens.tolist() == [10, 11]  # as `keep` says: 0.5 a level, depth 2 worth 0.25
+    assert gate.values(draft, [0, 2, 1, 3]) == pytest.approx([0.5, 0.25, 0.5, 0.25])
     for _ in range(20):
         gate.learn(draft, draft, Verdict([0, 2], [10, 12, 7]), costly=False)
     assert gate.trim(draft, costly=False).tokens.tolist() == [10, 12]
@@ -166,9 +166,11 @@ def test_the_tree_gate_through_its_protocol() -> None:
 def test_a_scored_chain_is_trimmed_where_its_calibrated_scores_stop_paying() -> None:
     """A costly drafter's chain carries its own cumulative q: the gate learns how often tokens
     of each score are accepted and verifies only the head of the chain that pays."""
-    gate = GoodputGate(CostCurve((1, 2, 3, 4, 5), (1.0, 1.2, 1.4, 1.6, 1.8)))
-    scores = [0.9, 0.8, 0.1, 0.05]  # confident, confident, then unsure
-    assert gate.trim_scored(scores) == 2  # priors min(0.5, score): the unsure tail does not pay
+    gate = GoodputGate(CostCurve((1, 2, 3, 4, 5), (1.0, 1.1, 1.2, 1.3, 1.4)))
+    scores = [0.9, 0.8, 0.1, 0.05]  # confident, confident, then unsure (steps .9 .89 .13 .5)
+    # priors: 0.5 a level, capped by the step score: 0.5, 0.25, 0.03, 0.02 — the tail is not
+    # worth a tenth of a step
+    assert gate.trim_scored(scores) == 2
     for _ in range(20):  # the confident tokens are always accepted, the unsure never
         gate.observe_scored(scores, [1, 2, 3, 4], [1, 2, 7])
     assert gate.trim_scored(scores) == 2
@@ -182,8 +184,8 @@ def test_a_scored_chain_is_trimmed_where_its_calibrated_scores_stop_paying() -> 
 
 def test_scored_chains_teach_only_what_the_emitted_tokens_show() -> None:
     gate = GoodputGate(FLAT)
-    gate.observe_scored([0.9, 0.6, 0.3], [1, 2, 3], [1, 9])  # broke at 2: node 3 missed too
-    assert sum(gate.scored.trials.values()) == 3 and sum(gate.scored.hits.values()) == 1
+    gate.observe_scored([0.9, 0.6, 0.3], [1, 2, 3], [1, 9])  # broke at 2: below it, not counted
+    assert sum(gate.scored.trials.values()) == 2 and sum(gate.scored.hits.values()) == 1
     gate = GoodputGate(FLAT)
     gate.observe_scored([0.9, 0.6, 0.3], [1, 2, 3], [1, 2])  # node 3 never judged
     assert sum(gate.scored.trials.values()) == 2 and sum(gate.scored.hits.values()) == 2
@@ -323,11 +325,10 @@ def test_would_accept_reads_the_emitted_tokens_along_each_path() -> None:
     #      │    └ 13           node 1 (11) a miss, node 4 (15) below it a miss too,
     #      └ 11 ─ 15           node 3 (13) a miss at depth 2, node 5 (14) at depth 3 ≠ 7
     tokens, parents = [10, 11, 12, 13, 15, 14], [-1, -1, 0, 0, 1, 2]
-    depth, hits = would_accept(tokens, parents, Verdict([0], [10, 12, 7]))
-    assert depth == [1, 1, 2, 2, 2, 3]
+    hits = would_accept(tokens, parents, Verdict([0], [10, 12, 7]))
     assert hits == [True, False, True, False, False, False]  # node 2 trimmed, yet a hit
     # only the target's own token emitted: depth 2 and below are not known
-    depth, hits = would_accept(tokens, parents, Verdict([], [10]))
+    hits = would_accept(tokens, parents, Verdict([], [10]))
     assert hits == [True, False, None, None, False, None]
 
 
@@ -355,7 +356,7 @@ def test_the_tree_gate_tells_its_sources_apart() -> None:
     scores = torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
     origins = ("suffix", "recycle", "suffix", "recycle")
     draft = Draft(tree, scores=scores, source="suffix+recycle", origins=origins)
-    assert len(gate.trim(draft, costly=False)) == 4  # the prior: every node pays a 0.3 row
+    assert len(gate.trim(draft, costly=False)) == 2  # the prior: 0.5 a level
     for _ in range(20):  # the suffix chain 10 12 is right every time
         gate.learn(draft, draft, Verdict([0, 2], [10, 12, 9]), costly=False)
     assert gate.trim(draft, costly=False).tokens.tolist() == [10, 12]

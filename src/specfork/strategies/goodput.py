@@ -343,18 +343,21 @@ def _node_key(origin: str, score: float, depth: int) -> tuple[str, int, int]:
 class TreeGate:
     """Cost-aware node budget of a SPORK round.
 
-    With P(node) the rate at which nodes like it (same source, depth and score octave) have
-    been, or would have been, on the accepted path in this request (every proposed node is
-    judged by the emitted tokens, the trimmed ones too: `would_accept`), capped by its
-    parent's (a node is on the path only below its parent), the nodes are ranked by P (ties:
-    the earlier; every node then comes after its parent) and keeping the first n emits
-    E(n) = 1 + Σ P(node) tokens for c(n + 1): the gate keeps the n that maximises the ratio.
-    Sources are told apart because their nodes of one score are not alike: a suffix match's
-    chain and the recycled top-1 fork both score 1, and on repetitive text the first is
-    accepted several times as often. A bucket not seen yet starts from the pooled rate of
-    its source's nodes at that depth (itself from the prior 0.5), capped by the node's score:
-    a source whose first-level nodes are rarely accepted is not trusted in octaves it has
-    not tried yet.
+    A node's bucket is its source, its depth and the octave of its step score (its prior
+    score over its parent's: the source's own estimate of it once the parent is accepted).
+    Each bucket learns a rate a: how often its nodes were accepted when their parent was —
+    from every proposed node, the trimmed ones too (`would_accept`: its path against the
+    emitted tokens), counting only nodes whose parent was (or would have been) accepted, so
+    that what is not known (below the emitted tokens) does not bias a deep bucket. A node is
+    on the accepted path with P(node) = a(node) · P(parent); the nodes ranked by P (ties: the
+    earlier; every node then comes after its parent), keeping the first n emits
+    E(n) = 1 + Σ P(node) tokens for c(n + 1), and the gate keeps the n that maximises the
+    ratio. Sources are told apart because their nodes of one score are not alike: a suffix
+    match's chain and the recycled top-1 fork both score 1, and on repetitive text the first
+    is accepted several times as often. A bucket not seen yet starts from the pooled rate of
+    its source's nodes at that depth (itself from the prior 0.5), capped by its step score: a
+    source whose first-level nodes are rarely accepted is not trusted in octaves it has not
+    tried yet.
     """
 
     def __init__(
@@ -374,8 +377,8 @@ class TreeGate:
                 self._add(key[1:], h, t)
 
     def probability(self, score: float, depth: int, origin: str = "") -> float:
-        """P(a node of this source, prior score and depth is on the accepted path), as
-        learned (not capped by a parent)."""
+        """The learned rate a of a node of this source, step score and depth: P(it is
+        accepted | its parent is)."""
         return self._p(_node_key(origin, score, depth), score)
 
     def _p(self, key: tuple[str, int, int], score: float) -> float:
@@ -397,15 +400,13 @@ class TreeGate:
     def node_values(
         self, scores: list[float], parents: list[int], origins: list[str] | None = None
     ) -> list[float]:
-        """P(each node is on the accepted path): its bucket's rate, capped by its parent's
-        (nodes in topological order; `origins` None: one unnamed source)."""
+        """P(each node is on the accepted path): its parent's times the rate at which nodes
+        of its bucket were accepted below an accepted parent (nodes in topological order;
+        `origins` None: one unnamed source). Never more than the parent's."""
         out: list[float] = []
-        node_depths: list[int] = []
-        for i, (score, parent) in enumerate(zip(scores, parents, strict=True)):
-            depth = 1 if parent < 0 else node_depths[parent] + 1
-            p = self._p(_node_key(origins[i] if origins else "", score, depth), score)
-            out.append(p if parent < 0 else min(p, out[parent]))
-            node_depths.append(depth)
+        for i, (key, step) in enumerate(_buckets(scores, parents, origins)):
+            rate = self._p(key, step)
+            out.append(rate if parents[i] < 0 else rate * out[parents[i]])
         return out
 
     def keep(
@@ -437,22 +438,23 @@ class TreeGate:
         """Learn from a verified tree: which nodes were on the accepted path."""
         on_path = set(path)
         hits: list[bool | None] = [i in on_path for i in range(len(scores))]
-        self.observe_outcomes(scores, _depths(parents), hits, origins)
+        self.observe_outcomes(scores, parents, hits, origins)
 
     def observe_outcomes(
         self,
         scores: list[float],
-        node_depths: list[int],
+        parents: list[int],
         hits: list[bool | None],
         origins: list[str] | None = None,
     ) -> None:
-        """Learn whether each node was (or would have been) on the accepted path; None: not
-        known, not counted."""
+        """Learn whether each node whose parent was (or would have been) on the accepted path
+        was on it too; None: not known. A node below a miss says nothing of its bucket's rate
+        below an accepted parent, and is not counted."""
         seen = []
-        for i, (score, depth, hit) in enumerate(zip(scores, node_depths, hits, strict=True)):
-            if hit is None:
+        for i, (key, _) in enumerate(_buckets(scores, parents, origins)):
+            hit = hits[i]
+            if hit is None or (parents[i] >= 0 and hits[parents[i]] is not True):
                 continue
-            key = _node_key(origins[i] if origins else "", score, depth)
             self._add(key, float(hit), 1.0)
             seen.append(((self.kind, *key), hit))
         if self.memory is not None:
@@ -486,9 +488,9 @@ class TreeGate:
         away goes on learning, so it is kept again when its nodes start to pay."""
         if proposed.scores is None or not len(proposed):
             return
-        tree = proposed.tree
-        node_depths, hits = would_accept(tree.tokens.tolist(), tree.parents.tolist(), verdict)
-        self.observe_outcomes(proposed.scores.tolist(), node_depths, hits, _origins(proposed))
+        parents = proposed.tree.parents.tolist()
+        hits = would_accept(proposed.tree.tokens.tolist(), parents, verdict)
+        self.observe_outcomes(proposed.scores.tolist(), parents, hits, _origins(proposed))
 
     def first_rate(self) -> float | None:
         """The best rate of a first-level node seen so far (the prior before any): no node
@@ -510,22 +512,29 @@ def _origins(draft: Draft) -> list[str]:
     return list(draft.origins) if draft.origins else [draft.source] * len(draft)
 
 
-def _depths(parents: list[int]) -> list[int]:
-    """Each node's depth (1: a child of the root), nodes in topological order."""
-    out: list[int] = []
-    for parent in parents:
-        out.append(1 if parent < 0 else out[parent] + 1)
+def _buckets(
+    scores: list[float], parents: list[int], origins: list[str] | None
+) -> list[tuple[tuple[str, int, int], float]]:
+    """Each node's statistics bucket and its step score: its prior score over its parent's
+    (the source's own estimate of it below an accepted parent, at most 1; the score itself at
+    the first level), which keys the bucket and caps its prior."""
+    out: list[tuple[tuple[str, int, int], float]] = []
+    node_depths: list[int] = []
+    for i, (score, parent) in enumerate(zip(scores, parents, strict=True)):
+        depth = 1 if parent < 0 else node_depths[parent] + 1
+        above = 1.0 if parent < 0 else scores[parent]
+        step = min(1.0, score / above) if above > 0 else score
+        node_depths.append(depth)
+        out.append((_node_key(origins[i] if origins else "", step, depth), step))
     return out
 
 
-def would_accept(
-    tokens: list[int], parents: list[int], verdict: Verdict
-) -> tuple[list[int], list[bool | None]]:
-    """Each node's depth, and whether it would have been on the accepted path had it been
-    verified: its path spells the round's first emitted tokens (exactly so for greedy
-    decoding, whose emitted tokens are the target's own; an estimate for sampling). None
-    where the emitted tokens stop above it: nothing says what the target would have done.
-    Verified nodes get what the verifier decided."""
+def would_accept(tokens: list[int], parents: list[int], verdict: Verdict) -> list[bool | None]:
+    """Whether each node would have been on the accepted path had it been verified: its path
+    spells the round's first emitted tokens (exactly so for greedy decoding, whose emitted
+    tokens are the target's own; an estimate for sampling). None where the emitted tokens stop
+    above it: nothing says what the target would have done. Verified nodes get what the
+    verifier decided."""
     emitted, on_path = verdict.tokens, set(verdict.path)
     node_depths: list[int] = []
     hits: list[bool | None] = []
@@ -542,7 +551,7 @@ def would_accept(
             hit = token == emitted[depth - 1]
         node_depths.append(depth)
         hits.append(hit)
-    return node_depths, hits
+    return hits
 
 
 def new_gate(tree: bool, cost: CostCurve, memory: RateMemory | None = None) -> Gate:
