@@ -363,3 +363,19 @@ def test_the_tree_gate_tells_its_sources_apart() -> None:
     assert gate.probability(1.0, 1, "recycle") < 0.1 < 0.9 < gate.probability(1.0, 1, "suffix")
     # a recycled node below a wrong one is worth no more than its parent, whatever its bucket
     assert gate.values(draft, [0, 1, 2, 3])[3] <= gate.values(draft, [0, 1, 2, 3])[1]
+
+
+def test_a_position_never_reached_starts_from_the_one_before_it() -> None:
+    """Rounds that verified three tokens, all accepted, observe positions 1-3 only: position 4
+    and beyond start from position 3's rate, not from the prior, so the gate drafts deeper
+    at once when rows are cheap enough (a copied span accepted whole goes on being copied)."""
+    gate = GoodputGate(CostCurve((1, 2, 9), (1.0, 1.3, 3.4)))  # a row: 0.3 of a step
+    assert gate.length("suffix-8", 8) == 1  # the prior 0.5 everywhere: one token pays best
+    for _ in range(10):
+        gate.observe("suffix-8", [1, 2, 3], [1, 2, 3, 4])
+    rates = gate.stats.rates("suffix-8", 8)
+    assert rates[0] == pytest.approx((10 + 0.5 * 2) / 12)  # observed, from the prior
+    assert rates[1] == pytest.approx((10 + rates[0] * 2) / 12)  # ... from position 1's rate
+    assert rates[3:] == pytest.approx([rates[2]] * 5)  # not observed: position 3's rate
+    assert gate.length("suffix-8", 8) >= 6
+    assert gate.stats.rates("other", 3) == [0.5, 0.5, 0.5]  # a source never seen: the prior

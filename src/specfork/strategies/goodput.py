@@ -59,13 +59,20 @@ class AcceptanceStats:
             trials[i] += t
 
     def rates(self, source: str, k: int) -> list[float]:
-        """a_1..a_k: the acceptance rate at each position (given the earlier ones accepted)."""
+        """a_1..a_k: the acceptance rate at each position (given the earlier ones accepted).
+        A position starts from the rate of the one before it (the first from the prior 0.5):
+        positions are observed only as far as a round's emitted tokens reach, so a gate that
+        verifies three tokens learns the fourth from the bonus token and never the fifth; a
+        copied span accepted whole at 1–4 is likely accepted at 5 too, and the gate then
+        drafts one position deeper each round only while it keeps paying."""
         hits, trials = self.hits.get(source, []), self.trials.get(source, [])
-        out = []
+        out: list[float] = []
+        prior = PRIOR
         for i in range(k):
             h = hits[i] if i < len(hits) else 0.0
             t = trials[i] if i < len(trials) else 0.0
-            out.append((h + PRIOR * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT))
+            out.append((h + prior * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT))
+            prior = out[-1]
         return out
 
     def best_first_rate(self) -> float:
