@@ -176,10 +176,16 @@ def node_scores(tree: Tree) -> torch.Tensor:
 
 def depths(tree: Tree) -> torch.Tensor:
     """Depth of every node [N] int64: 1 for the root's children (the root has depth 0)."""
-    out: list[int] = []
-    for parent in tree.parents.tolist():
-        out.append(1 if parent < 0 else out[parent] + 1)
+    out = depth_list(tree.parents.tolist())
     return torch.tensor(out, dtype=torch.long, device=tree.parents.device)  # [N]
+
+
+def depth_list(parents: list[int]) -> list[int]:
+    """`depths` of nodes given as a plain list of parents (-1 = the root; topological)."""
+    out: list[int] = []
+    for parent in parents:
+        out.append(1 if parent < 0 else out[parent] + 1)
+    return out
 
 
 def _parent_rows(tree: Tree) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 from specfork.drafters.base import Draft
 from specfork.models.cost import CostCurve
 from specfork.strategies.rate_memory import RateMemory
+from specfork.tree import depth_list
 from specfork.verify import Verdict
 
 PRIOR = 0.5  # acceptance assumed at a position not yet observed
@@ -526,12 +527,11 @@ def _buckets(
     (the source's own estimate of it below an accepted parent, at most 1; the score itself at
     the first level), which keys the bucket and caps its prior."""
     out: list[tuple[tuple[str, int, int], float]] = []
-    node_depths: list[int] = []
-    for i, (score, parent) in enumerate(zip(scores, parents, strict=True)):
-        depth = 1 if parent < 0 else node_depths[parent] + 1
+    for i, (score, parent, depth) in enumerate(
+        zip(scores, parents, depth_list(parents), strict=True)
+    ):
         above = 1.0 if parent < 0 else scores[parent]
         step = min(1.0, score / above) if above > 0 else score
-        node_depths.append(depth)
         out.append((_node_key(origins[i] if origins else "", step, depth), step))
     return out
 
@@ -543,10 +543,10 @@ def would_accept(tokens: list[int], parents: list[int], verdict: Verdict) -> lis
     above it: nothing says what the target would have done. Verified nodes get what the
     verifier decided."""
     emitted, on_path = verdict.tokens, set(verdict.path)
-    node_depths: list[int] = []
     hits: list[bool | None] = []
-    for node, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
-        depth = 1 if parent < 0 else node_depths[parent] + 1
+    for node, (token, parent, depth) in enumerate(
+        zip(tokens, parents, depth_list(parents), strict=True)
+    ):
         above = True if parent < 0 else hits[parent]
         if node in on_path:
             hit: bool | None = True
@@ -556,7 +556,6 @@ def would_accept(tokens: list[int], parents: list[int], verdict: Verdict) -> lis
             hit = None
         else:
             hit = token == emitted[depth - 1]
-        node_depths.append(depth)
         hits.append(hit)
     return hits
 
