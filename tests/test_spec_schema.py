@@ -32,6 +32,7 @@ SAMPLES = {
     "max_ngram": ("4", "speculative"),
     "min_ngram": ("2", "speculative"),
     "goodput": ("false", "speculative"),
+    "payback": ("false", "dspark"),
     "expected_length": ("99", "speculative"),
     "min_k": ("3", "dspark"),
     "max_k": ("9", "dspark"),

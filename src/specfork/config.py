@@ -312,7 +312,9 @@ class SpecConfig:
 
     `goodput` (chains: speculative and dspark) verifies only as much of each draft as its
     source's acceptance so far says will pay for the extra rows (see
-    `specfork.strategies.goodput`); it never changes the output.
+    `specfork.strategies.goodput`); it never changes the output. With it, `payback` checks the
+    gate by the clock: a lone request whose drafting rounds emit fewer tokens per second than
+    plain rounds stops drafting for a while (`specfork.engine.payback`).
     """
 
     strategy: str = "ar"
@@ -347,6 +349,7 @@ class SpecConfig:
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
     goodput: bool = True  # chains: verify only the part of a draft expected to pay (goodput.py)
+    payback: bool = True  # stop drafting while drafting rounds lose to plain ones (payback.py)
     # `drafter` parsed once in __post_init__ (`sources`): not an option, not compared or hashed
     _sources: tuple[DraftSource, ...] = field(init=False, repr=False, compare=False)
 
@@ -376,7 +379,8 @@ class SpecConfig:
         if self.self_layers and self.skip_layers:
             raise ConfigError("give either self_layers (early exit) or skip_layers, not both")
         self._check_layers_used()
-        for name in ("goodput", "adapt", "recycle_persist", "recycle_prior", "lossy_typical"):
+        flags = ("goodput", "payback", "adapt", "recycle_persist", "recycle_prior", "lossy_typical")
+        for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_dspark()

@@ -117,6 +117,13 @@ SPEC_OPTIONS: tuple[SpecOption, ...] = (
         "verification rows (--no-goodput: every draft as drafted)",
     ),
     _o(
+        "payback",
+        bool,
+        "drafting",
+        "with the goodput gate, stop drafting for a while when drafting rounds emitted fewer "
+        "tokens per second than plain rounds (--no-payback: draft whenever the gate says)",
+    ),
+    _o(
         "expected_length",
         int,
         "speculative",

@@ -35,6 +35,7 @@ from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback, newest_rows
 from specfork.engine.lifecycle import GenerationResult, first_tokens, result, stopped, take
 from specfork.engine.logprobs import TokenLogprob
+from specfork.engine.payback import Payback, PlainClock
 from specfork.engine.prefix import PrefixCache
 from specfork.engine.request import Request
 from specfork.engine.round import (
@@ -126,6 +127,8 @@ class Engine(Protocol):
 
     def observe_forward(self, rows: int, tokens: int, seconds: float) -> None: ...
 
+    def plain_clock(self) -> PlainClock | None: ...
+
 
 @dataclass(eq=False)
 class Running:
@@ -137,6 +140,7 @@ class Running:
     decode_started: float | None = None  # time of its first token
     finished: bool = False
     idle: int = 0  # steps in a row it did not propose (its drafts could not pay)
+    payback: Payback | None = None  # whether its drafting rounds pay by the clock (lone)
 
     @property
     def prefilling(self) -> bool:
@@ -316,8 +320,10 @@ class Scheduler:
                 updates.append(self._emit(running, toks))
             except Exception as exc:  # this request's own failure
                 self._fail(running, exc)
-        self._record(work, t0)
+        seconds = time.perf_counter() - t0
+        self._record(work, seconds)
         self._observe(work)
+        self._clock_round(work, tokens, seconds)
         return updates + self._failed
 
     def _observe(self, work: _Work) -> None:
@@ -332,6 +338,25 @@ class Scheduler:
         rows = sum(len(planned.draft) + 1 for _, planned in work.rounds)
         tokens = sum(r.req.cache.length for r, _ in work.rounds) // len(work.rounds)
         self.generator.observe_forward(rows, tokens, work.forward_seconds)
+
+    def _clock_round(
+        self, work: _Work, tokens: list[tuple[Running, list[int]]], seconds: float
+    ) -> None:
+        """A lone request's round (no other request, no prompt chunk in its forward) and its
+        whole time: its `Payback` judges it, or the Generator's plain clock keeps it when it
+        drafted nothing (plain decoding's steps included)."""
+        clock = self.generator.plain_clock()
+        if clock is None or len(work.rounds) != 1 or work.chunks or len(tokens) != 1:
+            return
+        (running, planned), (_, emitted) = work.rounds[0], tokens[0]
+        spec = running.req.spec
+        if running.payback is None and spec.drafts and spec.goodput and spec.payback:
+            running.payback = Payback(clock)
+        drafted = len(planned.draft) > 0
+        if running.payback is not None:
+            running.payback.observe(drafted, len(emitted), planned.start, seconds)
+        elif not drafted:
+            clock.add(seconds, planned.start)
 
     def _schedule(self) -> _Work:
         """Plan every decoding request's round, trim the drafts together, and give the rows
@@ -398,6 +423,10 @@ class Scheduler:
         best first-position rate): then it does not draft (n-gram lookups and chains for
         sixteen requests cost ~5% of a step), except one step in EXPLORE_EVERY, so that its
         rates keep learning."""
+        payback = running.payback
+        if payback is not None and not payback.allows(running.req.cache.length):
+            running.req.stats.paused_rounds += 1  # its drafting lost to plain steps lately
+            return NO_SHAPE, EMPTY_DRAFT, EMPTY_DRAFT
         best = running.req.gate.first_rate()
         if best is not None and floor > 0 and best <= floor:
             running.idle += 1
@@ -610,14 +639,13 @@ class Scheduler:
         self.generator.release(req, keep=self._keep)
         return Update(running, text, result(req, self.model))
 
-    def _record(self, work: _Work, t0: float) -> None:
+    def _record(self, work: _Work, seconds: float) -> None:
         draft_rows = sum(len(p.draft) for _, p in work.rounds)
         accepted = sum(
             r.req.stats.rounds[-1].accepted for r, _ in work.rounds if r.req.stats.rounds
         )
         prefill = sum(rows for _, rows in work.chunks)
         rows = len(work.rounds) + draft_rows + prefill
-        seconds = time.perf_counter() - t0
         self.steps.append(
             StepRecord(
                 len(work.segments), rows, prefill, draft_rows, work.predicted, accepted, seconds

@@ -25,6 +25,7 @@ from specfork.engine.grammar import GrammarState, grammar_tokenizer
 from specfork.engine.lifecycle import GenerationResult
 from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.output import OutputBuilder
+from specfork.engine.payback import PlainClock
 from specfork.engine.request import Request
 from specfork.engine.stats import GenerationStats
 from specfork.errors import ConfigError, PromptError
@@ -148,6 +149,7 @@ class Generator:
         self._warned_thread = False
         self._cost_curve = cost_curve  # None: the model's own, measured once (goodput.py)
         self._calibration: CostCalibration | None = None  # the model's own curve, corrected
+        self._clock: PlainClock | None = None  # recent plain rounds' seconds, with it
         self._grammar_tokenizer: llguidance.LLTokenizer | None = None  # built at first use
 
     # -- prompts ------------------------------------------------------------------------------
@@ -359,6 +361,7 @@ class Generator:
             stored_at = cache_dir() / "cost"
             self._cost_curve = self.model.cost_curve(self._loaded.path, stored_at)
             self._calibration = CostCalibration(self._cost_curve)
+            self._clock = PlainClock(self._cost_curve.step_at)
         return self._cost_curve
 
     def pricing(self) -> CostCurve | CostCalibration:
@@ -373,6 +376,12 @@ class Generator:
         `seconds`: the pricing learns from it (once the model's own curve is in use)."""
         if self._calibration is not None:
             self._calibration.observe(rows, tokens, seconds)
+
+    def plain_clock(self) -> PlainClock | None:
+        """Recent plain rounds' seconds, which `Payback` checks drafting rounds against: kept
+        once the model's own curve is in use (None with a curve given to the constructor,
+        whose draft lengths stay reproducible, or before any request drafted)."""
+        return self._clock
 
     def _take_cache(self, length: int) -> KVCache:
         """A cache of at least `length` slots: a free one when one is big enough, else new."""

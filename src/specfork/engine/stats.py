@@ -59,6 +59,7 @@ class GenerationStats:
     accepted: int = 0
     drafting_rounds: int = 0  # rounds with a non-empty draft
     first_token_rejections: int = 0  # drafting rounds whose first draft token was rejected
+    paused_rounds: int = 0  # rounds kept from drafting: drafting lost to plain steps (payback)
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
     rounds: list[RoundRecord] = field(default_factory=list)

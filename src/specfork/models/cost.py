@@ -66,6 +66,15 @@ class CostCurve:
             return self
         return _curve_at(self, tokens // 64 * 64)
 
+    def step_at(self, tokens: int) -> float:
+        """A one-row forward's time after `tokens` cached tokens over its time at `context`
+        (linear in the context between, and past, the two measurements; 1 without `far`)."""
+        far = self.far
+        if far is None or tokens <= self.context:
+            return 1.0
+        w = (tokens - self.context) / (far.context - self.context)
+        return max(1e-3, 1.0 + (self.far_step - 1.0) * w)
+
     @classmethod
     def measure(
         cls,

@@ -75,7 +75,7 @@ class CostCalibration:
         band = tokens // BAND
         with self._lock:
             seen = self._seen.setdefault((band, rows), deque(maxlen=WINDOW))
-            seen.append(seconds / self._step(tokens))
+            seen.append(seconds / self.curve.step_at(tokens))
             self._count[band] = self._count.get(band, 0) + 1
 
     def _build(self, band: int, tokens: int) -> CostCurve | None:
@@ -103,15 +103,6 @@ class CostCalibration:
         for i in range(1, len(cost)):  # never below one row, never falling with more rows
             cost[i] = max(cost[i], cost[i - 1], 1.0)
         return CostCurve(tuple(sizes), tuple(cost), base.context)
-
-    def _step(self, tokens: int) -> float:
-        """The curve's one-row time after `tokens` cached tokens over its time at its own
-        context (linear in the context between, and past, its two measurements)."""
-        far = self.curve.far
-        if far is None or tokens <= self.curve.context:
-            return 1.0
-        w = (tokens - self.curve.context) / (far.context - self.curve.context)
-        return max(1e-3, 1.0 + (self.curve.far_step - 1.0) * w)
 
 
 @functools.lru_cache(maxsize=256)
