@@ -94,8 +94,10 @@ class Payback:
             self.clock.add(seconds, context)
             return
         self._drafting.append((self.clock.scaled(seconds, context), tokens))
-        plain = self.clock.reference(context)
-        if len(self._drafting) == WINDOW and plain is not None:
+        if len(self._drafting) < WINDOW:
+            return
+        plain = self.clock.reference(context)  # (only once a window is there to judge)
+        if plain is not None:
             self._judge(plain)
 
     def _judge(self, plain: float) -> None:
