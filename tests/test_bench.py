@@ -322,6 +322,7 @@ def test_round_efficiency_and_where_the_time_goes() -> None:
         decode_seconds=0.8,
         phase_seconds={"draft": 0.2, "forward": 0.4, "learn": 0.04},
         plain_steps=6.0,
+        paused_rounds=1,
     )
     ms = [
         Measurement(0, "ar", 0, 0, "dog", 0, True, output=plain),
@@ -331,6 +332,7 @@ def test_round_efficiency_and_where_the_time_goes() -> None:
     assert rows["ar"]["round_efficiency"] == pytest.approx(1.0)
     assert rows["spec"]["round_efficiency"] == pytest.approx(6 * 0.1 / 0.8)  # 0.75
     assert rows["spec"]["forward_share"] == pytest.approx(0.5)
+    assert rows["spec"]["paused_share"] == pytest.approx(0.25)  # 1 of its 4 rounds
     assert rows["spec"]["share_draft"] == pytest.approx(0.25)
     assert rows["spec"]["share_other"] == pytest.approx(0.2)
     assert rows["ar"]["share_draft"] == 0.0 and rows["ar"]["share_other"] == pytest.approx(0.2)
@@ -341,6 +343,7 @@ def test_round_efficiency_and_where_the_time_goes() -> None:
     )  # another engine: no phases
     other = Measurement(2, "hf", 0, 0, "dog", 0, True, output=no_split)
     assert other.figure("forward_share") is None and other.figure("share_other") is None
+    assert other.figure("paused_share") is None
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -78,7 +78,7 @@ def test_dspark_trace_schema(dspark_trace: Path) -> None:
     assert [r["round"] for r in records] == list(range(len(records)))
     for r in records:
         assert set(r) == DSPARK_FIELDS
-        assert 0 <= r["k"] <= 8 and 2 <= r["next_k"] <= 8  # k < 2 only where the budget cut it
+        assert 0 <= r["k"] <= 16 and 2 <= r["next_k"] <= 16  # k < 2 only where the budget cut it
         assert 0 <= r["accepted"] <= r["drafted"] <= r["proposed"] <= r["k"]
         assert 0 <= r["confidence"] <= 1 and 0 < r["top1"] <= 1 and 0 <= r["margin"] <= 1
         assert r["first_rejected"] == (r["drafted"] > 0 and r["accepted"] == 0)

@@ -27,7 +27,8 @@ def _logits(top1: float, top2: float, rows: int = 1) -> torch.Tensor:
 
 
 def _policy(**kwargs) -> DSparkPolicy:
-    return DSparkPolicy(SpecConfig("dspark", **kwargs))
+    """DSpark's policy; K in [2, 8] unless said (the figures below are worked out for 8)."""
+    return DSparkPolicy(SpecConfig("dspark", **{"max_k": 8, **kwargs}))
 
 
 def _info(drafted: int, accepted: int, logits: torch.Tensor) -> RoundInfo:

@@ -239,10 +239,15 @@ def test_the_gate_turns_a_useless_drafter_off_and_keeps_a_perfect_one(
     # a CPU-like curve (an fp32 model is so memory-bound that rows cost almost nothing)
     curve = CostCurve((1, 2, 4, 8), (1.0, 1.25, 1.6, 2.4))
     gated = Generator(
-        smollm_f32, drafter=WrongDrafter(never), spec=SpecConfig("speculative"), cost_curve=curve
+        smollm_f32,
+        drafter=WrongDrafter(never),
+        spec=SpecConfig("speculative", k=5),
+        cost_curve=curve,
     )
     ungated = Generator(
-        smollm_f32, drafter=WrongDrafter(never), spec=SpecConfig("speculative", goodput=False)
+        smollm_f32,
+        drafter=WrongDrafter(never),
+        spec=SpecConfig("speculative", k=5, goodput=False),
     )
     a, b = gated.generate(PROMPT, config=config), ungated.generate(PROMPT, config=config)
     assert a.token_ids == b.token_ids == plain.token_ids

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from cli_run import run_cli
+from head_session import head_session
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.drafters.base import DraftShape, Feedback, StepConfidence
+from specfork.drafters.base import DraftShape, StepConfidence
 from specfork.drafters.head import HeadDrafter
 from specfork.drafters.meter import CostMeter
 from specfork.engine.generator import Generator
@@ -375,16 +376,7 @@ def test_the_head_drafts_in_every_strategy_losslessly(smollm_f32, head_dir, spec
 
 def _session(loaded: LoadedModel, head_dir: Path) -> tuple[HeadDrafter, list[int]]:
     """A head drafter for one request that has seen PROMPT's features; the history."""
-    head = load_head(head_dir, loaded.model.config)
-    ids = Generator(loaded).encode_prompt(PROMPT)
-    session = HeadDrafter(head, loaded.model).begin(ids)
-    model = loaded.model
-    with torch.inference_mode():
-        _, hidden = model.extend_capturing(
-            ids, model.new_cache(len(ids) + 8), head.config.feature_layers
-        )
-    session.observe(Feedback(len(ids), torch.tensor(ids), [], None, hidden, prompt=True))
-    return session, [*ids, 42]
+    return head_session(loaded, head_dir, PROMPT, 42)
 
 
 def test_a_sampled_head_draft_carries_its_q(smollm_f32, head_dir) -> None:

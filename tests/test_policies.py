@@ -182,7 +182,8 @@ def test_make_policy_k_below_one(name, k):
 
 def test_spec_config_defaults_and_valid_values():
     spec = SpecConfig()
-    assert (spec.strategy, spec.drafter, spec.k, spec.k_policy) == ("ar", "ngram", 5, "constant")
+    assert (spec.strategy, spec.drafter, spec.k, spec.k_policy) == ("ar", "ngram", 16, "constant")
+    assert (spec.min_k, spec.max_k) == (2, 16)
     SpecConfig(strategy="speculative", drafter="self", k=1, self_layers="0-11")
     SpecConfig(strategy="speculative", drafter="self", skip_layers="3,5")
     SpecConfig(strategy="speculative", drafter="model:/some/path")

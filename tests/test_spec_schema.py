@@ -33,6 +33,7 @@ SAMPLES = {
     "min_ngram": ("2", "speculative"),
     "goodput": ("false", "speculative"),
     "payback": ("false", "dspark"),
+    "cascade": ("true", "dspark"),
     "expected_length": ("99", "speculative"),
     "min_k": ("3", "dspark"),
     "max_k": ("9", "dspark"),
@@ -56,6 +57,9 @@ SAMPLES = {
     "typical_delta": ("0.5", "spork"),
 }
 
+# options of one drafter (the self drafter's layers) or drafter shape (a cascade's head)
+DRAFTER_FOR = {"self_layers": "self", "skip_layers": "self", "cascade": "ngram+head"}
+
 
 def test_every_specconfig_field_has_one_entry() -> None:
     fields = [f.name for f in dataclasses.fields(SpecConfig) if f.init and f.name != "strategy"]
@@ -71,15 +75,15 @@ def test_each_option_reaches_the_config_from_every_front_end(name: str) -> None:
     opt = option(name)
     value = opt.from_text(text)
     assert value != opt.default
-    self_drafter = name in ("self_layers", "skip_layers")  # options of the self drafter
-    extra = {"drafter": "self"} if self_drafter else {}
+    drafter = DRAFTER_FOR.get(name)  # the drafter an option goes with, if not the default
+    extra = {"drafter": drafter} if drafter else {}
     from_json = spec_with(SpecConfig(), {"strategy": strategy, **extra, name: value})
     assert getattr(from_json, name) == value
     if name != "drafter":
-        bench = parse_strategy(f"{strategy}{':self' if self_drafter else ''}?{name}={text}")
+        bench = parse_strategy(f"{strategy}{':' + drafter if drafter else ''}?{name}={text}")
         assert bench.spec == from_json
     if opt.cli:
-        flags = [*_flag(opt, text), *(["--drafter", "self"] if self_drafter else [])]
+        flags = [*_flag(opt, text), *(["--drafter", drafter] if drafter else [])]
         args = build_parser().parse_args(["generate", "--strategy", strategy, *flags])
         resolve_strategy(args)
         spec = spec_from_args(args, expected_length=from_json.expected_length)

@@ -314,12 +314,14 @@ class SpecConfig:
     source's acceptance so far says will pay for the extra rows (see
     `specfork.strategies.goodput`); it never changes the output. With it, `payback` checks the
     gate by the clock: a lone request whose drafting rounds emit fewer tokens per second than
-    plain rounds stops drafting for a while (`specfork.engine.payback`).
+    plain rounds stops drafting for a while (`specfork.engine.payback`). `cascade` (chains)
+    turns a drafter of free sources and a head ("ngram+head", "suffix+head") into a cascade:
+    the free sources' chain is checked and extended by the head (`drafters.cascade`).
     """
 
     strategy: str = "ar"
     drafter: str | None = None  # default: "recycle" for spork, "ngram" otherwise
-    k: int = 5
+    k: int = 16  # long: the goodput gate trims what would not pay (docs/benchmarks.md)
     k_policy: str = "constant"
     self_layers: str | None = None
     skip_layers: str | None = None
@@ -328,7 +330,7 @@ class SpecConfig:
     expected_length: int = 256  # T of the linear-decay policy
     # DSpark's confidence schedule
     min_k: int = 2
-    max_k: int = 8
+    max_k: int = 16
     low: float = 0.3
     high: float = 0.7
     weights: tuple[float, float, float] = (0.4, 0.3, 0.3)  # top1, margin, EMA of acceptance
@@ -350,6 +352,7 @@ class SpecConfig:
     typical_delta: float = 0.3
     goodput: bool = True  # chains: verify only the part of a draft expected to pay (goodput.py)
     payback: bool = True  # stop drafting while drafting rounds lose to plain ones (payback.py)
+    cascade: bool = False  # chains: the free sources' chain checked and extended by the head
     # `drafter` parsed once in __post_init__ (`sources`): not an option, not compared or hashed
     _sources: tuple[DraftSource, ...] = field(init=False, repr=False, compare=False)
 
@@ -380,11 +383,28 @@ class SpecConfig:
             raise ConfigError("give either self_layers (early exit) or skip_layers, not both")
         self._check_layers_used()
         flags = ("goodput", "payback", "adapt", "recycle_persist", "recycle_prior", "lossy_typical")
-        for name in flags:
+        for name in (*flags, "cascade"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        self._check_cascade()
         self._check_dspark()
         self._check_spork()
+
+    def _check_cascade(self) -> None:
+        """A cascade is free chain sources (ngram, suffix) followed by a head, for chains."""
+        if not self.cascade:
+            return
+        if self.strategy_kind.tree:
+            raise ConfigError(
+                "cascade is for chain strategies (speculative, dspark); spork merges its "
+                "sources into one tree: use strategy dspark or leave cascade out"
+            )
+        kinds = [source.kind for source in self._sources]
+        if len(kinds) < 2 or kinds[-1] != "head" or set(kinds[:-1]) - {"ngram", "suffix"}:
+            raise ConfigError(
+                f"a cascade is free sources (ngram, suffix) checked by a head, written e.g. "
+                f"ngram+head or suffix+ngram+head[:PATH]; got drafter {self.drafter!r}"
+            )
 
     def _check_layers_used(self) -> None:
         """Layers are what the self drafter runs: given to another drafter they would be

@@ -124,6 +124,16 @@ SPEC_OPTIONS: tuple[SpecOption, ...] = (
         "tokens per second than plain rounds (--no-payback: draft whenever the gate says)",
     ),
     _o(
+        "cascade",
+        bool,
+        "drafting",
+        "chains: with a drafter of free sources and a head (ngram+head, suffix+head), the "
+        "head checks a short chain of the free sources (up to 3 tokens; longer ones go "
+        "unchecked), cuts it before the first token it finds 10x less likely than its own "
+        "choice and extends it with its own tokens (--no-cascade: the first source's draft "
+        "wins)",
+    ),
+    _o(
         "expected_length",
         int,
         "speculative",

@@ -23,6 +23,7 @@ FIGURES: tuple[tuple[str, str, str], ...] = (
     ("wasted_drafts_per_token", "wasted drafts/token", "{:.2f}"),
     ("round_efficiency", "round efficiency", "{:.2f}"),
     ("forward_share", "in forwards", "{:.0%}"),
+    ("paused_share", "paused", "{:.0%}"),  # rounds payback kept from drafting
     ("valid_rate", "output valid", "{:.0%}"),  # constrained runs: the output parses
     ("greedy_match_rate", "greedy match", "{:.0%}"),
     ("exact_match_rate", "exact match", "{:.0%}"),
@@ -41,6 +42,7 @@ PER_RUN = (
     "target_forwards_per_token",
     "wasted_drafts_per_token",
     "forward_share",
+    "paused_share",
     *SHARES,
 )
 
@@ -69,6 +71,7 @@ class RunOutput:
     phase_seconds: dict[str, float] | None = None  # specfork: of the decode time, by phase
     plain_steps: float | None = None  # Σ over rounds of c(rows): its forwards in one-row steps
     by_source: dict[str, list[int]] | None = None  # specfork: source -> [drafted, accepted]
+    paused_rounds: int | None = None  # specfork: rounds payback kept from drafting
 
 
 @dataclass
@@ -173,6 +176,10 @@ class Measurement:
             if o.drafted is None or o.accepted is None:
                 return None
             return (o.drafted - o.accepted) / n
+        if key == "paused_share":  # of the run's rounds (its target forwards)
+            if o.paused_rounds is None or not o.target_forwards:
+                return None
+            return o.paused_rounds / o.target_forwards
         if key == "forward_share" or key in SHARES:
             return self._share("forward" if key == "forward_share" else key.removeprefix("share_"))
         raise KeyError(key)
@@ -218,6 +225,7 @@ class Measurement:
                 phase_seconds=o.phase_seconds,
                 plain_steps=o.plain_steps,
                 by_source=o.by_source,
+                paused_rounds=o.paused_rounds,
                 **{k: self.figure(k) for k in PER_RUN},
                 token_ids=o.token_ids,
                 rounds=o.rounds,

@@ -114,6 +114,7 @@ def specfork_runner(
             decode_seconds=s.decode_seconds,
             phase_seconds=dict(s.phase_seconds),
             by_source={name: list(counts) for name, counts in s.by_source.items()},
+            paused_rounds=s.paused_rounds,
             plain_steps=plain_steps(
                 generator, [(r.drafted + 1, s.prompt_tokens + r.position) for r in s.rounds]
             ),

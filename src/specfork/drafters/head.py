@@ -12,6 +12,7 @@ sampled q stays a true distribution and verification stays lossless).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -129,11 +130,19 @@ class HeadDrafter:
         depth = shape.depth if shape.model_depth is None else min(shape.depth, shape.model_depth)
         if depth < 1 or self.known < len(history) - 1:
             return EMPTY_DRAFT  # the target's features of the history are not all here
+        return self._drafted(
+            history, lambda grown: self._grow(grown, shape, depth, sampling, rng, len(history))
+        )
+
+    def _drafted(self, history: list[int], grow: Callable[[_Grown], torch.Tensor | None]) -> Draft:
+        """The draft `grow` makes below the head's output at the end of `history` (it returns
+        the nodes' q [N, V] or None), its drafting timed by the meter; the draft rows leave
+        the head's cache afterwards."""
         with torch.inference_mode():
             grown = _Grown(self._catch_up(history), self.cached)
             start = self.meter.clock() if self.meter is not None else 0.0  # drafting only
             try:
-                q = self._grow(grown, shape, depth, sampling, rng, len(history))
+                q = grow(grown)
             finally:
                 self.cached = grown.prefix  # the draft rows leave the cache
         if self.meter is not None:
@@ -178,11 +187,12 @@ class HeadDrafter:
         rng: torch.Generator,
         confidence: StepConfidence | None,
         start: int,
+        node: int = -1,
     ) -> torch.Tensor | None:
-        """A chain of at most `depth` tokens from sequence position `start`, stopped where
-        `confidence` says so (DSpark)."""
+        """A chain of at most `depth` tokens below `node` (-1: the root; `logits` are the
+        head's at it) from sequence position `start`, stopped where `confidence` says so
+        (DSpark)."""
         qs = []
-        node = -1
         for i in range(depth):
             q = None if sampling.greedy else probabilities(self._to_target(logits)[0], sampling)
             if confidence is not None:
@@ -199,6 +209,78 @@ class HeadDrafter:
             if i + 1 < depth:
                 logits = self._expand(grown, [node])
         return torch.stack(qs) if qs else None
+
+    # -- checking another source's chain (a cascade's second stage) -----------------------------
+    def check(
+        self,
+        history: list[int],
+        tokens: list[int],
+        shape: DraftShape,
+        sampling: SamplingParams,
+        rng: torch.Generator,
+        keep: float,
+    ) -> Draft | None:
+        """`tokens`, a chain another source proposed after `history`, kept while the head gives
+        each token at least `keep` times the probability of its own most likely token (an
+        unsure head keeps what it is given; one sure of another token cuts), cut before the
+        first it does not, then extended by the head's own chain (`shape.confidence` may stop
+        it; at most `shape.model_depth` tokens) up to `shape.depth` tokens in all. A kept
+        token was chosen by a deterministic rule, so its q is one-hot; an extension token's q
+        is the head's. None when the head lacks the target's features of the history (it
+        cannot check)."""
+        if self.known < len(history) - 1:
+            return None
+        most = shape.depth if shape.model_depth is None else shape.model_depth  # head's own
+        depth = min(shape.depth, len(tokens) + most)
+        if depth < 1:
+            return EMPTY_DRAFT
+        return self._drafted(
+            history,
+            lambda grown: self._check_and_extend(
+                grown, tokens, depth, shape, sampling, rng, keep, history
+            ),
+        )
+
+    def _check_and_extend(
+        self,
+        grown: _Grown,
+        tokens: list[int],
+        depth: int,
+        shape: DraftShape,
+        sampling: SamplingParams,
+        rng: torch.Generator,
+        keep: float,
+        history: list[int],
+    ) -> torch.Tensor | None:
+        """Grow `grown` as `check` says; the q [N, V] of the chain when its extension was
+        sampled (the kept tokens' rows one-hot), else None."""
+        logits = self.head.logits(grown.root[None])  # [1, Vd]
+        node = -1
+        for i, token in enumerate(tokens[:depth]):
+            probs = self._target_probs(logits, sampling)  # [V]
+            p = float(probs[token])
+            if p < keep * float(probs.max()):
+                break
+            node = self._push(grown, node, token, (grown.score[node] if node >= 0 else 1.0) * p)
+            if i + 1 < depth:
+                logits = self._expand(grown, [node])
+        kept = len(grown.token)
+        extension = depth - kept  # within the head's own share (`check` bounded depth)
+        if extension < 1:
+            return None
+        at = len(history) + kept  # the extension's first sequence position
+        q = self._chain(grown, logits, extension, sampling, rng, shape.confidence, at, node)
+        if q is None:
+            return None
+        one_hot = torch.zeros(kept, q.shape[-1], device=q.device)  # [kept, V]
+        one_hot[torch.arange(kept), torch.tensor(grown.token[:kept])] = 1.0
+        return torch.cat([one_hot, q])  # [N, V]
+
+    def _target_probs(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+        """The head's distribution [V] over the target's vocabulary from draft logits [1, Vd]
+        (after the request's sampling transforms when it samples)."""
+        full = self._to_target(logits)[0]  # [V]
+        return full.softmax(-1) if sampling.greedy else probabilities(full, sampling)
 
     def _add(self, grown: _Grown, parents: list[int], logits: torch.Tensor, k: int) -> list[int]:
         """Each parent's k most likely children (draft logits [P, Vd]); the new nodes."""

@@ -1,6 +1,7 @@
 """The drafter and policy a `SpecConfig` asks for, built through the registry: the strategy's
 policy builder, one drafter per source of its parsed drafter (several chain sources: a
-`FallbackDrafter` asking them in order; a tree strategy's sources: SPORK's `ForkDrafter`).
+`FallbackDrafter` asking them in order, or with `cascade` a `CascadeDrafter`; a tree strategy's
+sources: SPORK's `ForkDrafter`).
 Drafters that learn across requests (the suffix index) draw on the `DraftStores` given: the
 Generator's own, so that all its strategies and requests share them."""
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 from specfork.catalog.sources import DraftSource
 from specfork.config import SpecConfig
 from specfork.drafters.base import Drafter
+from specfork.drafters.cascade import KEEP, CascadeDrafter
 from specfork.drafters.fallback import FallbackDrafter
 from specfork.drafters.forks import RECYCLE_WIDTH, ForkDrafter
 from specfork.drafters.recycle_prior import PRIOR_CONTEXT, load_or_compute
@@ -46,6 +48,10 @@ def build_drafter(spec: SpecConfig, target: LoadedModel, stores: DraftStores) ->
     """A chain drafter for `target` from `spec.sources` (several: a `FallbackDrafter` asking
     them in order)."""
     drafters = [build_source(source, spec, target, stores) for source in spec.sources]
+    if spec.cascade:  # SpecConfig checked: free sources, then a head
+        free = drafters[:-1]
+        proposer = free[0] if len(free) == 1 else FallbackDrafter(free)
+        return CascadeDrafter(proposer, drafters[-1], KEEP)  # type: ignore[arg-type]
     return drafters[0] if len(drafters) == 1 else FallbackDrafter(drafters)
 
 
