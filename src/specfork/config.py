@@ -283,6 +283,16 @@ STRATEGIES = STRATEGY_NAMES  # ar, speculative, dspark, spork (catalog.kinds)
 TREE_SHAPES = ("forks", "dynamic")
 SPORK_SOURCES = TREE_SOURCES  # recycle, ngram, suffix, self, head[:PATH], model:PATH
 POLICY_NAMES = ("constant", "heuristic", "linear-decay")
+# SpecConfig's on/off options (checked to be true or false)
+BOOL_OPTIONS = (
+    "goodput",
+    "payback",
+    "cascade",
+    "adapt",
+    "recycle_persist",
+    "recycle_prior",
+    "lossy_typical",
+)
 DRAFTERS = CHAIN_DRAFTERS  # ngram, suffix, self, head[:PATH], model:PATH
 
 
@@ -382,8 +392,7 @@ class SpecConfig:
         if self.self_layers and self.skip_layers:
             raise ConfigError("give either self_layers (early exit) or skip_layers, not both")
         self._check_layers_used()
-        flags = ("goodput", "payback", "adapt", "recycle_persist", "recycle_prior", "lossy_typical")
-        for name in (*flags, "cascade"):
+        for name in BOOL_OPTIONS:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_cascade()

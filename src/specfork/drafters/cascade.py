@@ -37,7 +37,7 @@ CHECKED = 3  # longer proposals go unchecked (long matches)
 class CascadeDrafter:
     """`proposer`'s chains checked and extended by `checker` (see the module docstring)."""
 
-    def __init__(self, proposer: Drafter, checker: HeadDrafter, keep: float) -> None:
+    def __init__(self, proposer: Drafter, checker: HeadDrafter, keep: float = KEEP) -> None:
         if proposer.cost > 0:
             raise ValueError(f"a cascade's first stage runs no network, got {proposer.name}")
         self.proposer, self.checker, self.keep = proposer, checker, keep

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from specfork.catalog.sources import DraftSource
 from specfork.config import SpecConfig
 from specfork.drafters.base import Drafter
-from specfork.drafters.cascade import KEEP, CascadeDrafter
+from specfork.drafters.cascade import CascadeDrafter
 from specfork.drafters.fallback import FallbackDrafter
 from specfork.drafters.forks import RECYCLE_WIDTH, ForkDrafter
 from specfork.drafters.recycle_prior import PRIOR_CONTEXT, load_or_compute
@@ -51,7 +51,7 @@ def build_drafter(spec: SpecConfig, target: LoadedModel, stores: DraftStores) ->
     if spec.cascade:  # SpecConfig checked: free sources, then a head
         free = drafters[:-1]
         proposer = free[0] if len(free) == 1 else FallbackDrafter(free)
-        return CascadeDrafter(proposer, drafters[-1], KEEP)  # type: ignore[arg-type]
+        return CascadeDrafter(proposer, drafters[-1])  # type: ignore[arg-type]
     return drafters[0] if len(drafters) == 1 else FallbackDrafter(drafters)
 
 
