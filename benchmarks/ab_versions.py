@@ -41,6 +41,7 @@ HEADS = {  # with --heads: the packaged draft head (both versions must ship one)
     "ngram+head": {"strategy": "speculative", "drafter": "ngram+head"},
 }
 SUFFIX = {  # with --suffix: the suffix drafter (shared across each version's requests)
+    "speculative suffix": {"strategy": "speculative", "drafter": "suffix"},
     "dspark suffix": {"strategy": "dspark", "drafter": "suffix"},
     "spork recycle+suffix": {"strategy": "spork", "drafter": "recycle+suffix"},
 }

@@ -19,12 +19,12 @@ import torch
 from cli_run import run_cli
 from head_session import head_session
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
-from specfork.drafters.base import DraftShape, StepConfidence
+from specfork.drafters.base import Draft, DraftShape, StepConfidence
 from specfork.drafters.head import HeadDrafter
 from specfork.drafters.meter import CostMeter
 from specfork.engine.generator import Generator
 from specfork.errors import ConfigError
-from specfork.heads.fast import on_kernels
+from specfork.heads.fast import KernelHead, on_kernels
 from specfork.heads.model import load_head, save_head
 from specfork.heads.packaged import packaged_head
 from specfork.loading.loader import LoadedModel
@@ -611,3 +611,60 @@ def test_a_shipped_head_is_found_by_the_model_it_was_trained_for(path, head_dir,
     assert packaged_head(SimpleNamespace(path=Path(path)), root=tmp_path) == shipped
     with pytest.raises(ConfigError, match=r"no draft head ships for other\.gguf"):
         packaged_head(SimpleNamespace(path=Path("/models/other.gguf")), root=tmp_path)
+
+
+def test_a_greedy_chain_in_one_kernel_call_drafts_what_the_steps_draft(smollm_f32, head_dir):
+    """The head on the kernels with the draft vocabulary's embeddings grows a greedy chain in
+    one call (`KernelHead.chain`): the same tokens and scores as step by step (the same packed
+    head without them), the same DSpark stop, the same cascade check (keep, cut at a token the
+    head finds unlikely or outside its vocabulary, extend), and the cache left as it was."""
+    kernels = getattr(smollm_f32.model, "kernels", None)
+    if kernels is None:
+        pytest.skip("the kernels are not available here")
+    model = smollm_f32.model
+    session, history = _session(smollm_f32, head_dir)
+    head = load_head(head_dir, model.config)
+    one_call = on_kernels(head, kernels, "q8", model.embed_rows(head.d2t))
+    stepped = on_kernels(head, kernels, "q8")
+    assert one_call.chains and not stepped.chains
+
+    def drafter(fast: KernelHead) -> HeadDrafter:
+        d = HeadDrafter(fast, model).begin(history[:-1])
+        d.features, d.known = session.features, session.known
+        return d
+
+    fast, slow = drafter(one_call), drafter(stepped)
+    greedy, rng = SamplingParams(), make_generator(0)
+
+    def both(call) -> tuple[Draft, Draft]:
+        a, b = call(fast), call(slow)
+        assert a.tokens.tolist() == b.tokens.tolist()
+        torch.testing.assert_close(a.scores, b.scores, rtol=1e-5, atol=1e-7)
+        return a, b
+
+    chain, _ = both(lambda d: d.propose(history, DraftShape(6), greedy, rng))
+    assert len(chain) == 6
+    again, _ = both(lambda d: d.propose(history, DraftShape(6), greedy, rng))
+    assert again.tokens.tolist() == chain.tokens.tolist()  # the draft rows left the cache
+    # DSpark's rule, halfway between two steps' probabilities, stops both at the same token
+    scores = chain.scores.tolist()
+    steps = [scores[0]] + [b / a for a, b in itertools.pairwise(scores)]
+    low = (sorted(steps)[2] + sorted(steps)[3]) / 2
+    rule = StepConfidence((1.0, 0.0, 0.0), 5.0, ema=0.5, low=low)
+    cut, _ = both(lambda d: d.propose(history, DraftShape(6, confidence=rule), greedy, rng))
+    assert len(cut) == next((i for i, p in enumerate(steps) if p < low), 6)
+    # the cascade's check: the head's own chain with its third token swapped for a rare one
+    own = chain.tokens.tolist()
+    outside = next(t for t in range(model.config.vocab_size) if one_call.t2d[t] < 0)
+    inside = int(head.d2t[-1])
+
+    def check(tokens: list[int], depth: int, keep: float) -> Draft:
+        return both(lambda d: d.check(history, tokens, DraftShape(depth), greedy, rng, keep))[0]
+
+    for swapped, keep in ((inside, 0.1), (outside, 0.1), (inside, 0.0)):
+        checked = check([*own[:2], swapped, *own[3:]], 6, keep)
+        assert checked.tokens.tolist()[:2] == own[:2] and len(checked) == 6
+        assert (checked.tokens.tolist()[2] == swapped) == (keep == 0.0)
+    # keep 0 keeps even a token outside the draft vocabulary: the step path drafts that round
+    tokens = [*own[:2], outside]
+    assert check(tokens, 4, 0.0).tokens.tolist()[:3] == tokens

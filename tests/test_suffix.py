@@ -31,6 +31,7 @@ from specfork.drafters.stores import DraftStores
 from specfork.drafters.suffix import SuffixDrafter, SuffixSettings
 from specfork.drafters.suffix_file import index_file, load_index, save_index
 from specfork.drafters.suffix_index import Proposal, SuffixIndex, SuffixLimits
+from specfork.drafters.suffix_local import LocalMatch, LocalMatches
 from specfork.engine.batch import generate_batch
 from specfork.engine.generator import Generator
 from specfork.errors import ConfigError
@@ -197,6 +198,8 @@ def test_bad_settings_are_clear_errors() -> None:
         SuffixSettings(spec_factor=0)
     with pytest.raises(ConfigError, match="min_prob"):
         SuffixSettings(min_prob=1.5)
+    with pytest.raises(ConfigError, match="own"):
+        SuffixSettings(own=1)
 
 
 # ------------------------------------------------------------------------------ 2. the drafter
@@ -207,7 +210,9 @@ def test_a_request_indexes_its_prompt_and_what_the_target_commits() -> None:
     drafter = SuffixDrafter(index).begin([1, 2, 3, 1, 2])
     assert index.sequences() == [[1, 2, 3, 1, 2]]
     draft = drafter.propose([1, 2, 3, 1, 2], DraftShape(4), SamplingParams(), torch.Generator())
-    assert draft.tokens.tolist() == [3, 1] and draft.q is None and draft.source == "suffix-2"
+    # "1 2" occurred in the request's own text: what followed it there, as deep as the shape
+    # (past the present the copy goes on from its own start: the text repeats every 3 tokens)
+    assert draft.tokens.tolist() == [3, 1, 2, 3] and draft.q is None and draft.source == "suffix-2"
     # the target accepted "3" and emitted 7: the accepted token is indexed at once
     drafter.observe(Feedback(6, torch.tensor([2, 3, 1]), [0]))
     assert index.sequences() == [[1, 2, 3, 1, 2, 3]]
@@ -216,7 +221,67 @@ def test_a_request_indexes_its_prompt_and_what_the_target_commits() -> None:
     assert index.sequences() == [history]  # the rest of the history, when it drafts next
     other = SuffixDrafter(index).begin([9, 1, 2])  # a later request drafts from it
     got = other.propose([9, 1, 2], DraftShape(3), SamplingParams(), torch.Generator())
-    assert got.tokens.tolist() == [3, 1]  # a match of 2 drafts ⌈1 · 2⌉ tokens
+    assert got.tokens.tolist() == [3, 1]  # a match of 2 elsewhere drafts ⌈1 · 2⌉ tokens
+
+
+def test_a_chain_copies_the_requests_own_latest_occurrence_unless_the_index_matches_longer():
+    """SuffixDecoding's per-request tree: a match in the request's own text at least as long
+    as the index's gives what followed its latest occurrence there (not the most frequent
+    continuation over every request), as deep as the shape; a longer match elsewhere wins."""
+    index = SuffixIndex()
+    for _ in range(3):  # earlier requests: after "5 6" came 1 1 1, three times
+        SuffixDrafter(index).begin([5, 6, 1, 1, 1, 0])
+    greedy, rng = SamplingParams(), torch.Generator()
+    own = SuffixDrafter(index).begin([5, 6, 2, 3, 4, 8, 5, 6])  # its own "5 6" went on 2 3 4
+    assert own.propose([5, 6, 2, 3, 4, 8, 5, 6], DraftShape(4), greedy, rng).tokens.tolist() == [
+        2,
+        3,
+        4,
+        8,
+    ]
+    shared = SuffixDrafter(index, SuffixSettings(own=False)).begin([5, 6, 2, 3, 4, 8, 5, 6])
+    assert shared.propose([5, 6, 2, 3, 4, 8, 5, 6], DraftShape(4), greedy, rng).tokens.tolist() == [
+        1,
+        1,
+    ]  # own=False: the index alone, its most frequent continuation of "5 6"
+    frequent = SuffixDrafter(index).begin([7, 5, 6])  # no own match: the index's frequent path
+    assert frequent.propose([7, 5, 6], DraftShape(4), greedy, rng).tokens.tolist() == [1, 1]
+    # its own "6" matches 1 token; the index matches "9 5 6" (3 tokens) from an earlier request
+    SuffixDrafter(index).begin([9, 5, 6, 4, 4, 4])
+    longer = SuffixDrafter(index).begin([6, 3, 9, 5, 6])
+    assert longer.propose([6, 3, 9, 5, 6], DraftShape(4), greedy, rng).tokens.tolist() == [4, 4, 4]
+
+
+def test_a_tree_has_the_own_chain_first_and_the_indexs_nodes_around_it() -> None:
+    """A tree shape (a SPORK source): the own chain is the first path (scores 1), the index's
+    nodes not already on it follow by their scores, within the node budget."""
+    index = SuffixIndex()
+    for _ in range(3):
+        SuffixDrafter(index).begin([5, 6, 1, 1, 1, 0])
+    history = [5, 6, 2, 3, 4, 8, 5, 6]
+    own = SuffixDrafter(index).begin(history)
+    greedy, rng = SamplingParams(), torch.Generator()
+    tree = own.propose(history, DraftShape(2, "forks", forks=2), greedy, rng)
+    assert tree.tokens.tolist() == [2, 3, 1, 1] and tree.tree.parents.tolist() == [-1, 0, -1, 2]
+    assert tree.scores.tolist() == pytest.approx([1, 1, 3 / 4, 3 / 4])
+    small = own.propose(history, DraftShape(2, "dynamic", forks=2, budget=3), greedy, rng)
+    assert small.tokens.tolist() == [2, 3, 1] and small.tree.parents.tolist() == [-1, 0, -1]
+
+
+def test_the_own_history_finds_the_latest_longest_match() -> None:
+    """`LocalMatches`: the longest suffix up to the bound, its latest occurrence on ties, and
+    only occurrences followed by something (the history's own end is not one)."""
+    local = LocalMatches()
+    local.extend([1, 2, 3, 9, 2, 3, 7, 1, 2, 3])
+    assert local.longest(8) == LocalMatch(3, 2)  # "1 2 3" at 0..2 beats the later "2 3"
+    assert local.longest() == LocalMatch(3, 2)  # up to LONGEST by default
+    assert local.longest(2) == LocalMatch(2, 5)  # bounded to 2: the latest "2 3"
+    assert local.following(LocalMatch(3, 2), 4) == [9, 2, 3, 7]  # what followed "1 2 3"
+    # the latest "2 3" ends 4 tokens back: "7 1 2 3" followed it, and repeats past the present
+    assert local.following(LocalMatch(2, 5), 6) == [7, 1, 2, 3, 7, 1]
+    local.extend([5])
+    assert local.longest(8) is None  # 5 occurred nowhere before
+    assert LocalMatches().longest(4) is None
 
 
 def test_a_tree_shape_gets_a_tree_and_a_chain_shape_the_best_path() -> None:

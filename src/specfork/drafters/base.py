@@ -48,6 +48,14 @@ class StepConfidence:
     def keeps(self, top1: float, margin: float) -> bool:
         return self.value(top1, margin) >= self.low
 
+    def coefficients(self) -> tuple[float, float, float, float, float]:
+        """The rule as (w_top1 / Σw, w_margin / Σw, w_ema · ema / Σw, margin_scale, low): C is
+        the first times top1 plus the second times min(scale · margin, 1) plus the third."""
+        w_top1, w_margin, w_ema = self.weights
+        total = sum(self.weights)
+        scaled = (w_top1 / total, w_margin / total, w_ema * self.ema / total)
+        return (*scaled, self.margin_scale, self.low)
+
     def allows(self, probs: torch.Tensor) -> bool:
         """Whether the next token may be drafted from the drafter's distribution `probs` [V]."""
         top = probs.topk(2).values.tolist() if probs.numel() > 1 else [float(probs[0]), 0.0]

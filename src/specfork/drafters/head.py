@@ -7,7 +7,8 @@ forced from those features; each round it catches up on the newly committed posi
 small forward), then grows a chain or a tree, each node's row fed the head's output at its
 parent. Draft rows are dropped from the cache after the proposal. The head's logits cover a
 reduced draft vocabulary; `d2t` places them in the target's (other tokens get probability 0, so a
-sampled q stays a true distribution and verification stays lossless).
+sampled q stays a true distribution and verification stays lossless). A greedy chain on the
+kernels (`KernelHead.chain`) is one call: the same steps without a Python round trip each.
 """
 
 from __future__ import annotations
@@ -163,6 +164,9 @@ class HeadDrafter:
     ) -> torch.Tensor | None:
         """Grow `grown` within the shape (its first token at sequence position `start`); the
         q [N, V] of a sampled chain (else None)."""
+        if shape.kind == "chain" and self._chains(sampling):
+            self._fast_chain(grown, [], 0.0, depth, shape.confidence)
+            return None
         logits = self.head.logits(grown.root[None])  # [1, Vd]
         if shape.kind == "chain":
             return self._chain(grown, logits, depth, sampling, rng, shape.confidence, start)
@@ -254,6 +258,10 @@ class HeadDrafter:
     ) -> torch.Tensor | None:
         """Grow `grown` as `check` says; the q [N, V] of the chain when its extension was
         sampled (the kept tokens' rows one-hot), else None."""
+        forced = self._draft_ids(tokens[:depth], keep)
+        if forced is not None and self._chains(sampling):
+            self._fast_chain(grown, forced, keep, depth, shape.confidence)
+            return None
         logits = self.head.logits(grown.root[None])  # [1, Vd]
         node = -1
         for i, token in enumerate(tokens[:depth]):
@@ -275,6 +283,48 @@ class HeadDrafter:
         one_hot = torch.zeros(kept, q.shape[-1], device=q.device)  # [kept, V]
         one_hot[torch.arange(kept), torch.tensor(grown.token[:kept])] = 1.0
         return torch.cat([one_hot, q])  # [N, V]
+
+    def _chains(self, sampling: SamplingParams) -> bool:
+        """Whether a greedy chain runs as one kernel call (`KernelHead.chain`)."""
+        return sampling.greedy and isinstance(self.head, KernelHead) and self.head.chains
+
+    def _draft_ids(self, tokens: list[int], keep: float) -> list[int] | None:
+        """`tokens` as draft-vocabulary ids, up to the first outside it (which `keep` > 0 cuts:
+        the head gives it probability 0); None when keep <= 0 would keep one (the kernel's
+        chain cannot embed it)."""
+        if not isinstance(self.head, KernelHead):
+            return None
+        ids = self.head.t2d[torch.tensor(tokens, dtype=torch.int64)].tolist()
+        if -1 not in ids:
+            return ids
+        return ids[: ids.index(-1)] if keep > 0 else None
+
+    def _fast_chain(
+        self,
+        grown: _Grown,
+        forced: list[int],
+        keep: float,
+        depth: int,
+        confidence: StepConfidence | None,
+    ) -> None:
+        """A greedy chain below the root in one kernel call: the `forced` draft ids kept while
+        the head gives each `keep` times its favourite's probability, then its own argmax (see
+        `KernelHead.chain`); the nodes go to `grown`."""
+        assert isinstance(self.head, KernelHead)
+        self._ensure_slots(grown.prefix + depth)
+        rule = confidence.coefficients() if confidence is not None else ()
+        ids, probs = self.head.chain(
+            grown.root,
+            torch.tensor(forced, dtype=torch.int64),
+            keep,
+            depth,
+            rule,
+            (self.keys, self.values),
+            grown.prefix,
+        )  # [n], [n]
+        node = -1
+        for token, p in zip(self.head.d2t[ids].tolist(), probs.tolist(), strict=True):
+            node = self._push(grown, node, token, (grown.score[node] if node >= 0 else 1.0) * p)
 
     def _target_probs(self, logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
         """The head's distribution [V] over the target's vocabulary from draft logits [1, Vd]
@@ -330,9 +380,9 @@ class HeadDrafter:
         grown.slot.update({n: start + i for i, n in enumerate(nodes)})
         mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)  # [N, S]
         mask[:, :prefix] = True  # the committed positions
-        for row, n in enumerate(nodes):
-            for a in grown.ancestors(n):  # itself and its drafted ancestors
-                mask[row, grown.slot[a]] = True
+        seen = [(row, grown.slot[a]) for row, n in enumerate(nodes) for a in grown.ancestors(n)]
+        rows, slots = zip(*seen, strict=True)  # each node sees itself and its drafted ancestors
+        mask[list(rows), list(slots)] = True  # one indexed write, not one per element
         mask = mask.to(self.device)  # built on the host: one copy, not one per element
         g = self._rows(embeds, feats, positions, start, mask)  # [N, D]
         self.cached = start + len(nodes)

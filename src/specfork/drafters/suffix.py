@@ -8,7 +8,11 @@ the history's longest suffix that occurred followed by something and proposes wh
 scored by frequency: a chain along the most frequent continuation (speculative, dspark), or a
 tree of the most probable continuations where earlier text went on differently (a SPORK
 source). A longer match drafts deeper: at most ⌈`spec_factor` · match⌉ tokens, within the
-policy's shape. Proposals are deterministic (q = None), verified as one-hot q like n-gram's.
+policy's shape. Drafts prefer the request's own text, SuffixDecoding's per-request tree
+(`suffix_local`): when the longest match occurs in this request's history at least as long as
+anywhere, a chain is what followed its latest occurrence there, as deep as the shape allows,
+and a tree has that chain as its first path, the index's nodes around it.
+Proposals are deterministic (q = None), verified as one-hot q like n-gram's.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 
 from specfork.config import SamplingParams
 from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback
-from specfork.drafters.suffix_index import SuffixIndex
+from specfork.drafters.suffix_index import Proposal, SuffixIndex
+from specfork.drafters.suffix_local import LocalMatches
 from specfork.errors import ConfigError
 from specfork.tree import Tree
 
@@ -34,11 +39,14 @@ _MATCH_BUCKETS = (8, 4, 3, 2, 1)
 class SuffixSettings:
     """How a suffix drafter drafts: suffixes up to `max_match` tokens are matched; a match of
     m tokens drafts at most ⌈`spec_factor` · m⌉ tokens deep; nodes whose path probability is
-    below `min_prob` are not proposed (SuffixDecoding's defaults: factor 1, probability 0.1)."""
+    below `min_prob` are not proposed (SuffixDecoding's defaults: factor 1, probability 0.1);
+    `own`: drafts prefer the request's own text (see the module docstring; False: the shared
+    index alone, as before 2026-12-07)."""
 
     max_match: int = 12
     spec_factor: float = 1.0
     min_prob: float = 0.1
+    own: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_match, int) or self.max_match < 1:
@@ -47,6 +55,8 @@ class SuffixSettings:
             raise ConfigError(f"suffix spec_factor must be > 0, got {self.spec_factor}")
         if not 0 <= self.min_prob <= 1:
             raise ConfigError(f"suffix min_prob must be in [0, 1], got {self.min_prob}")
+        if not isinstance(self.own, bool):
+            raise ConfigError(f"suffix own must be True or False, got {self.own!r}")
 
 
 class SuffixDrafter:
@@ -63,6 +73,7 @@ class SuffixDrafter:
         self._sequence: int | None = None  # this request's sequence in the index
         self._indexed: list[int] = []  # the history indexed so far (its last tokens checked)
         self._length = 0  # tokens of the history indexed
+        self._local = LocalMatches()  # the same history, for matches within it
 
     def begin(self, prompt_ids: list[int]) -> SuffixDrafter:
         """A request's drafter: its prompt opens a sequence in the shared index."""
@@ -88,11 +99,24 @@ class SuffixDrafter:
             min_prob=s.min_prob,
             chain=shape.kind == "chain",
         )
+        own = self._own(found, min(shape.depth, shape.max_nodes))
+        if own is not found:
+            found = own if shape.kind == "chain" else _merged(own, found, shape.max_nodes)
         if not found.tokens:
             return EMPTY_DRAFT
         scores = torch.tensor(found.scores, dtype=torch.float64)  # [N]
         source = f"suffix-{next(b for b in _MATCH_BUCKETS if found.match >= b)}"
         return Draft(Tree(found.tokens, found.parents), None, scores, 0, source)
+
+    def _own(self, found: Proposal, depth: int) -> Proposal:
+        """The chain after the latest occurrence of the history's longest suffix in the
+        history itself, when that match is at least as long as the index's (`found`);
+        else `found`. Its tokens score 1 each, like n-gram's (a copy, not a frequency)."""
+        local = self._local.longest() if self.settings.own else None
+        if local is None or local.length < found.match:
+            return found
+        tokens = self._local.following(local, depth)
+        return Proposal(tokens, list(range(-1, len(tokens) - 1)), [1.0] * len(tokens), local.length)
 
     def observe(self, feedback: Feedback) -> None:
         """Index a round's root and accepted tokens (history positions committed − a − 1 …
@@ -106,12 +130,15 @@ class SuffixDrafter:
 
     def _open(self, tokens: list[int]) -> None:
         self._sequence = self.index.open(tokens)
+        self._local = LocalMatches()
+        self._local.extend(tokens)
         self._length = len(tokens)
         self._indexed = tokens[-_CHECKED_TAIL:]
 
     def _append(self, tokens: list[int]) -> None:
         assert self._sequence is not None
         self.index.extend(self._sequence, tokens)
+        self._local.extend(tokens)
         self._length += len(tokens)
         self._indexed = (self._indexed + tokens)[-_CHECKED_TAIL:]
 
@@ -126,3 +153,22 @@ class SuffixDrafter:
             self._open(list(history))
         elif len(history) > self._length:
             self._append(history[self._length :])
+
+
+def _merged(own: Proposal, found: Proposal, max_nodes: int) -> Proposal:
+    """A tree: the own chain first, then the index's nodes (`found`, topological) not already
+    on it, in their order, while fewer than `max_nodes`; a node left out leaves out its
+    subtree. The match is the own chain's (at least the index's)."""
+    tokens, parents, scores = list(own.tokens), list(own.parents), list(own.scores)
+    at = {(parent, token): i for i, (parent, token) in enumerate(zip(parents, tokens, strict=True))}
+    where: list[int | None] = []  # found's node -> its merged node (None: left out)
+    for token, parent, score in zip(found.tokens, found.parents, found.scores, strict=True):
+        mapped = -1 if parent < 0 else where[parent]
+        node = None if mapped is None else at.get((mapped, token))
+        if node is None and mapped is not None and len(tokens) < max_nodes:
+            node = at[(mapped, token)] = len(tokens)
+            tokens.append(token)
+            parents.append(mapped)
+            scores.append(score)
+        where.append(node)
+    return Proposal(tokens, parents, scores, own.match)

@@ -5,8 +5,10 @@ operations (norms, a concatenation, rotary tables, attention, the activation) wh
 costs more than their arithmetic: ~0.8 ms a step on two cores against a 5 ms target step.
 `KernelHead` packs the head's linear layers for the kernels (bf16, or int8 blocks of 32 with a
 float16 scale — Q8_0's layout) and runs its whole layer in C++ (`FastHead`, csrc/head.cpp):
-`fuse`, `rows` and `logits` are one call each. Only drafting runs it (a draft's q is whatever
-it computes, so verification stays lossless); training uses the float32 `DraftHead`.
+`fuse`, `rows` and `logits` are one call each, and so is a whole greedy chain (`chain`: the
+steps, their argmaxes and the drafted tokens' embeddings in C++). Only drafting runs it (a
+draft's q is whatever it computes, so verification stays lossless); training uses the float32
+`DraftHead`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,15 @@ KINDS = {"bf16": Kind.BF16, "q8": Kind.Q8}
 class KernelHead:
     """A `DraftHead`'s drafting interface (`fuse`, `rows`, `logits`) on the kernels."""
 
-    def __init__(self, head: DraftHead, kernels: ModuleType, kind: str = "bf16") -> None:
+    def __init__(
+        self,
+        head: DraftHead,
+        kernels: ModuleType,
+        kind: str = "bf16",
+        embeddings: torch.Tensor | None = None,
+    ) -> None:
+        """`embeddings`: the target's input embeddings of the draft vocabulary [Vd, D] (rows
+        of `head.d2t`); without them `chain` is not available (`chains` is False)."""
         if kind not in KINDS:
             raise ValueError(f"packed head kind must be one of {sorted(KINDS)}, got {kind!r}")
         c = head.config
@@ -52,6 +62,11 @@ class KernelHead:
         core.set_rope(inv_freq, scaling)
         norms = [getattr(head, name).weight.detach().float() for name in NORMS]
         core.set_weights(*(packed[name] for name in LINEARS), *norms)
+        self.chains = embeddings is not None
+        if embeddings is not None:
+            core.set_embeddings(embeddings)
+        self.t2d = torch.full((c.target_vocab,), -1, dtype=torch.int64)  # [V] draft id or -1
+        self.t2d[self.d2t] = torch.arange(len(self.d2t))
         self._core = core
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
@@ -73,6 +88,25 @@ class KernelHead:
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [T, Vd] (float32) of outputs g [T, D]."""
         return self._core.logits(g)
+
+    def chain(
+        self,
+        root: torch.Tensor,
+        forced: torch.Tensor,
+        keep: float,
+        depth: int,
+        rule: tuple[float, ...],
+        cache: tuple[torch.Tensor, torch.Tensor],
+        start: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A greedy chain of at most `depth` tokens below the output `root` [D], whose first
+        token sits at sequence position `start` (its rows go to cache slots from `start` on,
+        each seeing every slot before it): the `forced` draft ids [m] while each has at least
+        `keep` times the probability of the head's favourite, then the head's argmax, stopped
+        before an own token whose confidence fails `rule` (`StepConfidence.coefficients`; ()
+        for none). Returns the draft ids [n] and the head's probability of each [n]."""
+        rule_t = torch.tensor(rule, dtype=torch.float32)  # [5] or [0]
+        return self._core.chain(root, forced, keep, depth, rule_t, cache[0], cache[1], start, start)
 
 
 def _packed(weight: torch.Tensor, kernels: ModuleType, kind: Kind) -> object:
@@ -100,6 +134,12 @@ def can_pack(head: DraftHead) -> bool:
     return all(n % BLOCK == 0 for n in sizes)
 
 
-def on_kernels(head: DraftHead, kernels: ModuleType, kind: str = "bf16") -> KernelHead:
-    """`head` on the kernels (its linear layers packed as `kind`: "bf16" or "q8")."""
-    return KernelHead(head, kernels, kind)
+def on_kernels(
+    head: DraftHead,
+    kernels: ModuleType,
+    kind: str = "bf16",
+    embeddings: torch.Tensor | None = None,
+) -> KernelHead:
+    """`head` on the kernels (its linear layers packed as `kind`: "bf16" or "q8"; greedy
+    chains in one call when given the draft vocabulary's `embeddings` [Vd, D])."""
+    return KernelHead(head, kernels, kind, embeddings)

@@ -77,7 +77,8 @@ def head_drafter(
     cost = HeadDrafter.weights_cost(head, target.model)
     kernels = getattr(target.model, "kernels", None)  # a FastLM target runs on the kernels
     if kernels is not None and can_pack(head):
-        head = on_kernels(head, kernels, "q8")  # int8 blocks: half bf16's traffic, same drafts
+        embeddings = target.model.embed_rows(head.d2t)  # [Vd, D] for greedy chains in C++
+        head = on_kernels(head, kernels, "q8", embeddings)  # int8: half bf16's traffic
     meter = CostMeter(one_row_seconds(target.model), floor=cost)
     return HeadDrafter(head, target.model, cost=cost, meter=meter)
 

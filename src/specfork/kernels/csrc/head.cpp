@@ -9,7 +9,10 @@
 // batch-invariant (verification decides what is kept), but every step here is row-wise anyway.
 #include "head.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <tuple>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -17,6 +20,7 @@
 #include "attention.h"
 #include "common.h"
 #include "gemm.h"
+#include "logit_rows.h"
 #include "packed.h"
 #include "rowops.h"
 
@@ -90,44 +94,94 @@ class FastHead {
                      std::optional<torch::Tensor> mask, torch::Tensor k_cache,
                      torch::Tensor v_cache, int64_t start) {
     ready();
-    const int64_t D = hidden_, qd = heads_ * head_dim_, kvd = heads_kv_ * head_dim_;
+    const int64_t D = hidden_;
     auto e = float_rows(embeds, D, "embeds");
     auto f = float_rows(feats, D, "feats");
     const int64_t T = e.size(0);
     auto pos = positions.to(torch::kInt64).contiguous();
     check(T > 0 && f.size(0) == T && pos.numel() == T, "embeds, feats and positions need the same rows");
     const KVView kv = cache_view(k_cache, v_cache, start, T);
-    const Visible vis = visible(mask, T, start);
-
-    std::vector<float> x(T * 2 * D), qkv(T * qkv_w_->w.n), att(T * qd);
-    for (int64_t r = 0; r < T; ++r) {  // x = embed_norm(e) ⊕ hidden_norm(f)
-      rmsnorm(e.data_ptr<float>() + r * D, norms_[0].data_ptr<float>(), D, eps_, &x[r * 2 * D]);
-      rmsnorm(f.data_ptr<float>() + r * D, norms_[1].data_ptr<float>(), D, eps_, &x[r * 2 * D + D]);
-    }
-    const int64_t ld = qkv_w_->w.n;
-    {
-      Activations a(x.data(), T, 2 * D, 2 * D);
-      linear(qkv_w_->w, a, qkv.data(), ld);
-    }
-    std::vector<float> cos_t, sin_t;
-    rope_tables(inv_.data_ptr<float>(), rope_scaling_, pos.data_ptr<int64_t>(), T, head_dim_ / 2, cos_t, sin_t);
-    float* q = qkv.data();
-    rope_rows(q, ld, 0, T, heads_, head_dim_, cos_t, sin_t);
-    rope_rows(q + qd, ld, 0, T, heads_kv_, head_dim_, cos_t, sin_t);
-    write_kv(kv, q + qd, q + qd + kvd, ld, T, heads_kv_, head_dim_, start);
-    attention(q, ld, kv, plan_attention(vis, T), AttnShape{T, heads_, heads_kv_, head_dim_, attn_scale_},
-              att.data());
-
     torch::Tensor out = torch::empty({T, D}, torch::kFloat32);  // g [T, D]
-    float* h = out.data_ptr<float>();
-    {
-      Activations a(att.data(), T, qd, qd);
-      linear(o_->w, a, h, D);
-    }
-    const float* fr = f.data_ptr<float>();
-    for (int64_t i = 0; i < T * D; ++i) h[i] += fr[i];  // the residual is the feature
-    mlp(h, T);
+    run_rows(e.data_ptr<float>(), f.data_ptr<float>(), pos.data_ptr<int64_t>(), T,
+             visible(mask, T, start), kv, start, out.data_ptr<float>());
     return out;
+  }
+
+  // A greedy chain below the head's output `root` [D] (the parent of its first token, at
+  // sequence `position`), its rows written to cache slots [start, start + n - 1), each row
+  // attending causally to every slot before it. The first tokens are `forced` (draft-vocabulary
+  // ids) while the head gives each at least `keep` times the
+  // probability of its own favourite; from the first one it does not, the head's own argmax.
+  // `rule` (float [5]: w_top1, w_margin, w_ema · ema, margin_scale, low; empty: none) stops the
+  // chain before an own token whose confidence is below low (DSpark's step rule). At most
+  // `depth` tokens. Returns (ids [n] draft-vocabulary ids, p [n] the head's probability of each
+  // token) — one call instead of two kernel calls, an argmax and an embedding per step.
+  std::tuple<torch::Tensor, torch::Tensor> chain(
+      torch::Tensor root, torch::Tensor forced, double keep, int64_t depth, torch::Tensor rule,
+      torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, int64_t position) {
+    ready();
+    check(embeds_.defined(), "the head's chain needs its draft-vocabulary embeddings (set_embeddings)");
+    const int64_t D = hidden_, Vd = lm_head_->w.n;
+    auto g = float_rows(root, D, "root");
+    check(g.size(0) == 1, "the chain's root is one output [hidden]");
+    auto fz = forced.to(torch::kInt64).contiguous();
+    auto rz = rule.to(torch::kFloat32).contiguous();
+    check(rz.numel() == 0 || rz.numel() == 5, "the chain's stop rule has 5 numbers or none");
+    check(depth >= 0, "the chain's depth must be >= 0");
+    const int64_t* fp = fz.data_ptr<int64_t>();
+    const int64_t m = fz.numel();
+    const KVView kv = cache_view(k_cache, v_cache, start, std::max<int64_t>(depth - 1, 0));
+    std::vector<int64_t> ids;
+    std::vector<float> probs, cur(g.data_ptr<float>(), g.data_ptr<float>() + D), next(D), logit(Vd);
+    bool forcing = m > 0;
+    for (int64_t i = 0; i < depth; ++i) {
+      logits_row(cur.data(), logit.data());
+      const Top2 t = top2(logit.data(), Vd);
+      int64_t token = -1;
+      float p = 0.f;
+      if (forcing && i < m) {
+        const int64_t f = fp[i];
+        check(f >= 0 && f < Vd, "a forced token is not a draft-vocabulary id");
+        const float ratio = std::exp(logit[f] - t.l1);
+        if (ratio >= keep) {
+          token = f;
+          p = ratio / t.sum;
+        } else {
+          forcing = false;
+        }
+      } else {
+        forcing = false;
+      }
+      if (token < 0) {
+        const float top1 = 1.f / t.sum, margin = top1 - std::exp(t.l2 - t.l1) / t.sum;
+        if (rz.numel() == 5) {
+          const float* r = rz.data_ptr<float>();
+          const float value = (r[0] * top1 + r[1] * std::min(r[3] * margin, 1.f) + r[2]);
+          if (value < r[4]) break;
+        }
+        token = t.i1;
+        p = top1;
+      }
+      ids.push_back(token);
+      probs.push_back(p);
+      if (i + 1 == depth) break;
+      const int64_t pos = position + i;
+      run_rows(embeds_.data_ptr<float>() + token * D, cur.data(), &pos, 1, visible({}, 1, start + i),
+               kv, start + i, next.data());
+      cur.swap(next);
+    }
+    auto out_ids = torch::tensor(ids, torch::kInt64);
+    auto out_p = torch::tensor(probs, torch::kFloat32);
+    return {out_ids, out_p};
+  }
+
+  // The embeddings of the draft vocabulary's tokens [Vd, D] (float32), for `chain`.
+  void set_embeddings(torch::Tensor table) {
+    ready();
+    auto t = table.to(torch::kFloat32).contiguous();
+    check(t.dim() == 2 && t.size(0) == lm_head_->w.n && t.size(1) == hidden_,
+          "the draft-vocabulary embeddings must be [draft vocab, hidden]");
+    embeds_ = t;
   }
 
   // Outputs g [T, D] → draft-vocabulary logits [T, Vd] (float32).
@@ -145,6 +199,67 @@ class FastHead {
   }
 
  private:
+  struct Top2 {
+    int64_t i1;
+    float l1, l2, sum;  // the best two logits and Σ exp(l − l1)
+  };
+
+  // The best two of logits [n] (the first index wins a tie, as torch's argmax) and the
+  // softmax's normaliser relative to the best.
+  static Top2 top2(const float* l, int64_t n) {
+    Top2 t{0, l[0], -INFINITY, 0.f};
+    for (int64_t j = 1; j < n; ++j) {
+      if (l[j] > t.l1) {
+        t.l2 = t.l1;
+        t.l1 = l[j];
+        t.i1 = j;
+      } else if (l[j] > t.l2) {
+        t.l2 = l[j];
+      }
+    }
+    t.sum = std::exp(logsumexp_row(l, n) - t.l1);
+    return t;
+  }
+
+  // One output g [D] → its draft logits [Vd].
+  void logits_row(const float* g, float* out) const {
+    std::vector<float> n(hidden_);
+    rmsnorm(g, norms_[3].data_ptr<float>(), hidden_, eps_, n.data());
+    Activations a(n.data(), 1, hidden_, hidden_);
+    linear(lm_head_->w, a, out, lm_head_->w.n);
+  }
+
+  // The decoder layer over T rows (embeddings e, features f [T, D] at positions pos [T]):
+  // keys and values to cache slots [start, start + T), attention by `vis`, outputs g [T, D].
+  void run_rows(const float* e, const float* f, const int64_t* pos, int64_t T, const Visible& vis,
+                const KVView& kv, int64_t start, float* h) const {
+    const int64_t D = hidden_, qd = heads_ * head_dim_, kvd = heads_kv_ * head_dim_;
+    std::vector<float> x(T * 2 * D), qkv(T * qkv_w_->w.n), att(T * qd);
+    for (int64_t r = 0; r < T; ++r) {  // x = embed_norm(e) ⊕ hidden_norm(f)
+      rmsnorm(e + r * D, norms_[0].data_ptr<float>(), D, eps_, &x[r * 2 * D]);
+      rmsnorm(f + r * D, norms_[1].data_ptr<float>(), D, eps_, &x[r * 2 * D + D]);
+    }
+    const int64_t ld = qkv_w_->w.n;
+    {
+      Activations a(x.data(), T, 2 * D, 2 * D);
+      linear(qkv_w_->w, a, qkv.data(), ld);
+    }
+    std::vector<float> cos_t, sin_t;
+    rope_tables(inv_.data_ptr<float>(), rope_scaling_, pos, T, head_dim_ / 2, cos_t, sin_t);
+    float* q = qkv.data();
+    rope_rows(q, ld, 0, T, heads_, head_dim_, cos_t, sin_t);
+    rope_rows(q + qd, ld, 0, T, heads_kv_, head_dim_, cos_t, sin_t);
+    write_kv(kv, q + qd, q + qd + kvd, ld, T, heads_kv_, head_dim_, start);
+    attention(q, ld, kv, plan_attention(vis, T), AttnShape{T, heads_, heads_kv_, head_dim_, attn_scale_},
+              att.data());
+    {
+      Activations a(att.data(), T, qd, qd);
+      linear(o_->w, a, h, D);
+    }
+    for (int64_t i = 0; i < T * D; ++i) h[i] += f[i];  // the residual is the feature
+    mlp(h, T);
+  }
+
   static torch::Tensor vec(const torch::Tensor& t) { return t.to(torch::kFloat32).contiguous(); }
 
   void ready() const { check(lm_head_ != nullptr && inv_.defined(), "the head is not complete"); }
@@ -206,6 +321,7 @@ class FastHead {
   torch::Tensor inv_;
   float rope_scaling_ = 1.f;
   PackedPtr fc_, qkv_w_, o_, gate_up_, down_, lm_head_;
+  torch::Tensor embeds_;  // [Vd, D] float32, for chain
   std::vector<torch::Tensor> norms_;  // embed, hidden, post, final
 };
 
@@ -218,6 +334,8 @@ void bind_head(pybind11::module_& m) {
       .def("fuse", &FastHead::fuse, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>())
       .def("rows", &FastHead::rows, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>())
       .def("logits", &FastHead::logits, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>())
+      .def("chain", &FastHead::chain, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>())
+      .def("set_embeddings", &FastHead::set_embeddings)
       .def_property_readonly("draft_vocab", &FastHead::draft_vocab);
 }
 

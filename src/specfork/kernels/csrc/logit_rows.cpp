@@ -147,6 +147,8 @@ RowLse row_lse() {
 
 }  // namespace
 
+float logsumexp_row(const float* x, int64_t n) { return row_lse()(x, n); }
+
 torch::Tensor top_k_ids(torch::Tensor x, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "top_k_ids: x must be [R, V] float32");
   const int64_t rows = x.size(0), n = x.size(1);

@@ -14,4 +14,7 @@ torch::Tensor top_k_ids(torch::Tensor x, int64_t k);
 // in one fixed order per row (the same value whatever the rows or threads).
 torch::Tensor logsumexp_rows(torch::Tensor x);
 
+// The same for one row x [n] (n >= 1).
+float logsumexp_row(const float* x, int64_t n);
+
 }  // namespace sf

@@ -1,0 +1,139 @@
+"""Replay a greedy `specfork bench` run's plain outputs through draft sources, offline.
+
+Greedy output does not depend on the drafter, so how many tokens a chain drafter gets accepted
+is a function of the text alone: at each round the drafter proposes up to K tokens after the
+history, the longest prefix equal to plain decoding's next tokens is accepted, and the target's
+token follows. This replays `ar`'s outputs of a bench run (every prompt and turn, in the run's
+order, so a suffix index learns from earlier requests as it did in the run) through several
+drafters and reports tokens per target forward with no goodput gate and no model: a drafter's
+reach in seconds, before any timing noise. It needs the bench's prompts (the same `--prompts`
+or `--workload` and `--per-category`) to rebuild each turn's context.
+
+    python benchmarks/drafter_replay.py /tmp/run/results.json.gz --workload agent \
+        --per-category 3 --drafters ngram suffix suffix:own=0
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from specfork.bench.prompt_file import load_prompts
+from specfork.bench.prompts import select_prompts
+from specfork.bench.runner import first_turn, following_turn
+from specfork.bench.workloads import workload_prompts
+from specfork.config import SamplingParams
+from specfork.drafters.base import DraftShape
+from specfork.drafters.ngram import NgramDrafter
+from specfork.drafters.suffix import SuffixDrafter, SuffixSettings
+from specfork.drafters.suffix_index import SuffixIndex
+from specfork.engine.generator import Generator
+from specfork.loading.loader import load_model
+
+log = logging.getLogger("drafter_replay")
+
+
+def drafter(spec: str) -> object:
+    """ "ngram", "ngram:max=N", "suffix", "suffix:factor=F,prob=P,match=M" (a fresh index)."""
+    name, _, options = spec.partition(":")
+    opts = dict(o.split("=") for o in options.split(",") if o)
+    if name == "ngram":
+        return NgramDrafter(int(opts.get("max", 3)), int(opts.get("min", 1)))
+    if name == "suffix":
+        settings = SuffixSettings(
+            max_match=int(opts.get("match", 12)),
+            spec_factor=float(opts.get("factor", 1.0)),
+            min_prob=float(opts.get("prob", 0.1)),
+            own=opts.get("own", "1") == "1",
+        )
+        return SuffixDrafter(SuffixIndex(), settings)
+    raise SystemExit(f"unknown drafter {spec!r}: ngram[:max=N,min=N] or suffix[:factor=F,...]")
+
+
+def replay(source: object, prompt: list[int], output: list[int], k: int) -> tuple[int, int]:
+    """(target forwards, tokens emitted) of decoding `output` after `prompt` with `source`'s
+    chains of up to `k` tokens (the first token comes from the prefill)."""
+    request = source.begin(prompt)
+    rng, greedy = torch.Generator(), SamplingParams()
+    t, forwards = 1, 0
+    while t < len(output):
+        history = prompt + output[:t]
+        draft = request.propose(history, DraftShape(k), greedy, rng).tokens.tolist()
+        accepted = 0
+        while accepted < len(draft) and t + accepted < len(output):
+            if draft[accepted] != output[t + accepted]:
+                break
+            accepted += 1
+        t += accepted + 1
+        forwards += 1
+    request.propose(prompt + output, DraftShape(1), greedy, rng)  # index the whole answer
+    return forwards, len(output) - 1
+
+
+def turns(args: argparse.Namespace, generator: Generator, results: dict) -> list[tuple]:
+    """(category, turn, prompt ids, ar's output ids) in the run's order."""
+    prompts = workload_prompts(args.workload) if args.workload else load_prompts(args.prompts)
+    prompts = select_prompts(prompts, args.per_category)
+    outputs = {
+        (int(m["prompt_index"]), int(m["turn"])): m["token_ids"]
+        for m in results["measurements"]
+        if m["strategy"] == "ar" and int(m["repeat"]) == 0
+    }
+    out = []
+    for i, prompt in enumerate(prompts):
+        chat = results["settings"].get("chat", True)
+        p = first_turn(generator, i, prompt, chat)
+        while (i, p.turn) in outputs:
+            ids = outputs[(i, p.turn)]
+            out.append((prompt.category, p.turn, list(p.ids), ids))
+            if p.turn >= len(prompt.turns):
+                break
+            answer = SimpleNamespace(text=None, token_ids=ids)
+            p = following_turn(generator, p, answer)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", type=Path, help="a greedy bench run's results.json.gz")
+    ap.add_argument("--prompts", type=Path, default=Path("../shared/bench/specbench-dev.jsonl"))
+    ap.add_argument("--workload", help="the run's --workload instead of --prompts")
+    ap.add_argument("--per-category", type=int, default=None)
+    ap.add_argument("--drafters", nargs="+", default=["ngram", "suffix"])
+    ap.add_argument("-k", type=int, default=16, help="the chain's most tokens")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with gzip.open(args.results, "rt") as f:
+        results = json.load(f)
+    generator = Generator(load_model("smollm2-135m-instruct", progress=False))
+    cases = turns(args, generator, results)
+    log.info("%d requests replayed, K = %d, no goodput gate", len(cases), args.k)
+    log.info("| drafter | tokens/forward (all) | first turns | later turns | by category |")
+    log.info("|---|---|---|---|---|")
+    for spec in args.drafters:
+        source = drafter(spec)
+        rows = [(cat, turn, *replay(source, ids, out, args.k)) for cat, turn, ids, out in cases]
+        by_cat: dict[str, list[float]] = defaultdict(list)
+        for cat, _, f, n in rows:
+            by_cat[cat].append(n / max(f, 1))
+
+        def ratio(sel: list[tuple]) -> str:
+            f, n = sum(r[2] for r in sel), sum(r[3] for r in sel)
+            return f"{n / f:.2f}" if f else "n/a"
+
+        cats = " ".join(f"{c} {statistics.median(v):.2f}" for c, v in sorted(by_cat.items()))
+        first = [r for r in rows if r[1] == 1]
+        later = [r for r in rows if r[1] > 1]
+        log.info("| %s | %s | %s | %s | %s |", spec, ratio(rows), ratio(first), ratio(later), cats)
+
+
+if __name__ == "__main__":
+    main()
