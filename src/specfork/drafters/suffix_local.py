@@ -6,8 +6,9 @@ and output and one over earlier requests, and takes the better candidate. The sh
 (`suffix_index`) holds this request's sequence too, but it ranks continuations by frequency
 over every request; within one's own text the latest occurrence predicts better (an agent's
 previous tool call, the file being edited, the answer's own repeated phrases). Replaying the
-bench's plain outputs (`benchmarks/drafter_replay.py`) the latest own occurrence beat the most
-frequent continuation whenever both matched as long.
+bench's plain outputs (`benchmarks/drafter_replay.py`), taking the latest own occurrence when
+both match as long raised the tokens per forward on every shipped text (dev chat 1.48 → 1.63,
+the workloads 3.69 → 4.68), though not on every single request.
 
 `LocalMatches` keeps each token's positions and finds the latest occurrence of the longest match
 (up to `LONGEST` tokens, longer than the shared index looks) by scanning back from the newest
