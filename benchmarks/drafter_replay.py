@@ -87,9 +87,9 @@ def turns(args: argparse.Namespace, generator: Generator, results: dict) -> list
         for m in results["measurements"]
         if m["strategy"] == "ar" and int(m["repeat"]) == 0
     }
+    chat = results["settings"].get("chat", True)
     out = []
     for i, prompt in enumerate(prompts):
-        chat = results["settings"].get("chat", True)
         p = first_turn(generator, i, prompt, chat)
         while (i, p.turn) in outputs:
             ids = outputs[(i, p.turn)]

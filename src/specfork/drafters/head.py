@@ -258,8 +258,8 @@ class HeadDrafter:
     ) -> torch.Tensor | None:
         """Grow `grown` as `check` says; the q [N, V] of the chain when its extension was
         sampled (the kept tokens' rows one-hot), else None."""
-        forced = self._draft_ids(tokens[:depth], keep)
-        if forced is not None and self._chains(sampling):
+        forced = self._draft_ids(tokens[:depth], keep) if self._chains(sampling) else None
+        if forced is not None:
             self._fast_chain(grown, forced, keep, depth, shape.confidence)
             return None
         logits = self.head.logits(grown.root[None])  # [1, Vd]
@@ -292,8 +292,7 @@ class HeadDrafter:
         """`tokens` as draft-vocabulary ids, up to the first outside it (which `keep` > 0 cuts:
         the head gives it probability 0); None when keep <= 0 would keep one (the kernel's
         chain cannot embed it)."""
-        if not isinstance(self.head, KernelHead):
-            return None
+        assert isinstance(self.head, KernelHead)  # asked only where `_chains` holds
         ids = self.head.t2d[torch.tensor(tokens, dtype=torch.int64)].tolist()
         if -1 not in ids:
             return ids
