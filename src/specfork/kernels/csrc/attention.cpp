@@ -109,7 +109,8 @@ struct Query {
   float* l;
 };
 
-using QueriesFn = void (*)(const Query*, int64_t, const void*, const void*, const float*, float, float*, float*);
+using QueriesFn = void (*)(const Query*, int64_t, const void*, const void*, const float*, float, float*, float*,
+                          float*);
 
 Partial chunk_generic(const float* q, const float* K, const float* V, int64_t n, int64_t D,
                       float scale, float* e, float* o) {
@@ -180,9 +181,9 @@ SF_AVX512 inline __m512 dots16(const float* q, const void* K, int64_t j0) {
   return sum16(p);
 }
 
-// acc [2, D] += weights e[j] times values V[j] for keys j0 <= j < end: even ranks into acc[0],
-// odd ranks into acc[1], at most 8 vectors of dimensions per pass. Called on consecutive
-// even-aligned ranges, it forms the very sums of one pass over all keys.
+// acc [2, D] += weights e[j] times values V[j - j0] for keys j0 <= j < end (V: key j0's row):
+// even ranks into acc[0], odd ranks into acc[1], at most 8 vectors of dimensions per pass.
+// Called on consecutive even-aligned ranges, it forms the very sums of one pass over all keys.
 template <int VECS, CacheType T>
 SF_AVX512 inline void weigh_keys(const float* e, const void* V, int64_t j0, int64_t end, float* acc) {
   constexpr int64_t D = 16 * VECS, G = VECS < 8 ? VECS : 8;
@@ -195,7 +196,7 @@ SF_AVX512 inline void weigh_keys(const float* e, const void* V, int64_t j0, int6
     int64_t j = j0;
     for (; j + 2 <= end; j += 2) {
       const __m512 p0 = _mm512_set1_ps(e[j]), p1 = _mm512_set1_ps(e[j + 1]);
-      const int64_t v0 = j * D + 16 * c0;
+      const int64_t v0 = (j - j0) * D + 16 * c0;
       for (int c = 0; c < G; ++c) {
         even[c] = _mm512_fmadd_ps(p0, load16<T>(V, v0 + 16 * c), even[c]);
         odd[c] = _mm512_fmadd_ps(p1, load16<T>(V, v0 + D + 16 * c), odd[c]);
@@ -204,12 +205,27 @@ SF_AVX512 inline void weigh_keys(const float* e, const void* V, int64_t j0, int6
     if (j < end) {
       const __m512 p0 = _mm512_set1_ps(e[j]);
       for (int c = 0; c < G; ++c)
-        even[c] = _mm512_fmadd_ps(p0, load16<T>(V, j * D + 16 * (c0 + c)), even[c]);
+        even[c] = _mm512_fmadd_ps(p0, load16<T>(V, (j - j0) * D + 16 * (c0 + c)), even[c]);
     }
     for (int c = 0; c < G; ++c) {
       _mm512_storeu_ps(acc + 16 * (c0 + c), even[c]);
       _mm512_storeu_ps(acc + D + 16 * (c0 + c), odd[c]);
     }
+  }
+}
+
+// Keys (or values) j0 .. j0 + n - 1 of a chunk stored as T, as float [n, D] in `out`: exact
+// conversions, so what is computed from them is what reading them as T gives.
+template <int VECS, CacheType T>
+SF_AVX512 inline const float* as_float(const void* X, int64_t j0, int64_t n, float* out) {
+  constexpr int64_t D = 16 * VECS;
+  if constexpr (T == CacheType::F32) {
+    return static_cast<const float*>(X) + j0 * D;
+  } else {
+    for (int64_t j = 0; j < n; ++j)
+      for (int c = 0; c < VECS; ++c)
+        _mm512_storeu_ps(out + j * D + 16 * c, load16<T>(X, (j0 + j) * D + 16 * c));
+    return out;
   }
 }
 
@@ -220,25 +236,28 @@ SF_AVX512 inline void weigh_keys(const float* e, const void* V, int64_t j0, int6
 // steps are those of one pass over its keys — scores, max, exponentials and their sum,
 // weighted values in even and odd ranks — but the loops run keys-outer, 16 keys for every
 // query and then the next 16 (32 for the values), so a block of keys is read from L1 by all
-// queries instead of from L2 by each. The bits do not depend on where the keys were read.
+// queries instead of from L2 by each. Keys and values stored in 16 bits are converted to float
+// once a block, for all queries (`block`: [32, D] float scratch), not once a query. The bits do
+// not depend on where the keys were read, nor on how many queries read them.
 // e: [count, kChunk] scratch; acc: [count, 2, D] scratch.
 template <int VECS, CacheType T>
 SF_AVX512 void queries_avx512(const Query* qs, int64_t count, const void* K, const void* V,
-                              const float* tail, float scale, float* e, float* acc) {
+                              const float* tail, float scale, float* e, float* acc, float* block) {
   constexpr int64_t D = 16 * VECS;
   int64_t most = 0;
   for (int64_t i = 0; i < count; ++i) most = std::max(most, qs[i].n);
   const int64_t whole = tail ? most / 16 * 16 : most;  // keys read from K (the rest from tail)
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t j = 0; j < most; j += 16)
+  for (int64_t j = 0; j < most; j += 16) {
+    const float* keys = j < whole ? as_float<VECS, T>(K, j, 16, block) : tail;  // [16, D]
     for (int64_t i = 0; i < count; ++i) {
       const int64_t n = qs[i].n;
       if (j >= n) continue;
       const __mmask16 lanes = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
-      const __m512 dots = j < whole ? dots16<VECS, T>(qs[i].q, K, j)
-                                    : dots16<VECS, CacheType::F32>(qs[i].q, tail, 0);
+      const __m512 dots = dots16<VECS, CacheType::F32>(qs[i].q, keys, 0);
       _mm512_mask_storeu_ps(e + i * kChunk + j, lanes, _mm512_mul_ps(dots, sc));
     }
+  }
   for (int64_t i = 0; i < count; ++i) {  // max (exact in any order), exponentials, their sum
     const int64_t n = qs[i].n;
     float* ei = e + i * kChunk;
@@ -260,9 +279,12 @@ SF_AVX512 void queries_avx512(const Query* qs, int64_t count, const void* K, con
     *qs[i].l = _mm512_reduce_add_ps(sums);
   }
   std::fill(acc, acc + count * 2 * D, 0.f);
-  for (int64_t j = 0; j < most; j += 32)
+  for (int64_t j = 0; j < most; j += 32) {
+    const float* values = as_float<VECS, T>(V, j, std::min<int64_t>(32, most - j), block);  // [32, D]
     for (int64_t i = 0; i < count; ++i)
-      if (j < qs[i].n) weigh_keys<VECS, T>(e + i * kChunk, V, j, std::min(j + 32, qs[i].n), acc + i * 2 * D);
+      if (j < qs[i].n)
+        weigh_keys<VECS, CacheType::F32>(e + i * kChunk, values, j, std::min(j + 32, qs[i].n), acc + i * 2 * D);
+  }
   for (int64_t i = 0; i < count; ++i)
     for (int64_t c = 0; c < VECS; ++c)
       _mm512_storeu_ps(qs[i].o + 16 * c, _mm512_add_ps(_mm512_loadu_ps(acc + i * 2 * D + 16 * c),
@@ -536,10 +558,11 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
     int32_t part, task, g, row0, rows, n;  // n: the slots its rows read (their longest chunk)
   };
   constexpr int32_t kRowBlock = 8;
-  // items of at most this many queries (one or two rows of a GQA group) read a contiguous chunk
-  // in place: 3k-token contexts decoded 1.18x faster than through the float copy, short ones
-  // 1.02x; with 24 queries (prefill) the copy wins (in place: prefill 0.90x)
-  constexpr int64_t kInPlaceQueries = 8;
+  // items of at most this many queries read a contiguous chunk in place; with more, writing a
+  // float copy once and reading it per query wins. On AVX2 each query converts the keys it
+  // reads (one or two rows of a GQA group pay); the AVX-512 kernel converts a block of keys
+  // once for all queries (up to six rows of a group of three pay, measured at 1-4k slots).
+  constexpr int64_t kInPlaceQueries = 8, kInPlaceQueries512 = 18;
   std::vector<Item> items;
   for (size_t p = 0; p < parts.size(); ++p) {
     const AttnPlan& plan = *parts[p].plan;
@@ -556,7 +579,7 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
   // each thread's scratch, left uninitialised (it is written before it is read): keys and values
   // [kChunk, D] as float, scores [queries, kChunk], weighted-value sums [queries, 2, D]
   struct Scratch {
-    std::unique_ptr<float[]> K, V, e, acc;
+    std::unique_ptr<float[]> K, V, e, acc, block;
     std::vector<Query> queries;
   };
   const int64_t most = kRowBlock * group;  // queries of one item
@@ -565,7 +588,7 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
       [&] {
         const auto floats = [](int64_t n) { return std::unique_ptr<float[]>(new float[n]); };
         return Scratch{floats(kChunk * D), floats(kChunk * D), floats(most * kChunk + 16),
-                       floats(most * 2 * D), {}};
+                       floats(most * 2 * D), floats(32 * D), {}};
       },
       [&](int64_t i, Scratch& w) {
         const Item& it = items[i];
@@ -583,10 +606,11 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
         }
         const int64_t count = static_cast<int64_t>(w.queries.size());
         const int64_t head_base = it.g * kv.slots * D;
-        const bool in_place = count <= kInPlaceQueries && slots[it.n - 1] - slots[0] == it.n - 1;
+        const bool run = slots[it.n - 1] - slots[0] == it.n - 1;  // contiguous slots
+        const bool in_place = run && count <= (many ? kInPlaceQueries512 : kInPlaceQueries);
         if (many && in_place) {
-          // few queries over a contiguous run: read the cache in place (converting a key for
-          // each query costs less than writing and re-reading a float copy of the chunk)
+          // a contiguous run: read the cache in place (converting a block of keys once for all
+          // queries costs less than writing and re-reading a float copy of the chunk)
           const int64_t whole = it.n / 16 * 16, at = head_base + static_cast<int64_t>(slots[0]) * D;
           const float* tail = nullptr;
           if (whole < it.n) {  // the last partial block of keys, zero-padded, as float
@@ -598,7 +622,7 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
           queries_avx512_for(D, kv.type)(w.queries.data(), count,
                                          static_cast<const char*>(kv.k) + at * bytes,
                                          static_cast<const char*>(kv.v) + at * bytes, tail,
-                                         s.scale, w.e.get(), w.acc.get());
+                                         s.scale, w.e.get(), w.acc.get(), w.block.get());
           return;
         }
 #if SF_X86
@@ -622,7 +646,8 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
         // the AVX-512 scores read keys 16 at a time: the rows after the chunk's last are zeros
         std::fill(w.K.get() + it.n * D, w.K.get() + std::min<int64_t>(kChunk, (it.n + 15) / 16 * 16) * D, 0.f);
         if (many) {
-          many(w.queries.data(), count, w.K.get(), w.V.get(), nullptr, s.scale, w.e.get(), w.acc.get());
+          many(w.queries.data(), count, w.K.get(), w.V.get(), nullptr, s.scale, w.e.get(), w.acc.get(),
+               w.block.get());
           return;
         }
         for (const Query& one : w.queries) {
