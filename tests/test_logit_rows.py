@@ -11,7 +11,7 @@ import torch
 
 from specfork.kernels import load_kernels
 from specfork.kernels import logit_rows as logit_rows_module
-from specfork.kernels.logit_rows import logsumexp, top_k_ids
+from specfork.kernels.logit_rows import logsumexp, put_top_k_ids, top_k_ids
 
 K = load_kernels()
 needs_kernels = pytest.mark.skipif(K is None, reason="the kernels cannot be built here")
@@ -63,6 +63,29 @@ def test_logsumexp_matches_torch(rows: int, vocab: int, spread: float) -> None:
     assert float(logsumexp(x)[0]) == float("-inf")
 
 
+def _put(tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [50, 4] table (all -1) after put_top_k_ids of `tokens`' rows of random logits."""
+    logits = torch.randn(len(tokens), 300, generator=torch.Generator().manual_seed(len(tokens)))
+    table = torch.full((50, 4), -1, dtype=torch.int32)
+    put_top_k_ids(table, torch.tensor(tokens), logits)
+    return table, logits
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_put_top_k_ids_writes_each_tokens_last_row(monkeypatch, kernels: bool) -> None:
+    """Rows in order, a repeated token keeps its later row; other entries are untouched; the
+    kernels' one call and PyTorch's indexed write agree."""
+    if kernels and K is None:
+        pytest.skip("the kernels cannot be built here")
+    if not kernels:
+        monkeypatch.setattr(logit_rows_module, "loaded_kernels", lambda: None)
+    table, logits = _put([3, 9, 3, 7, 9])
+    expected = torch.full((50, 4), -1, dtype=torch.int32)
+    for row, token in ((2, 3), (4, 9), (3, 7)):
+        expected[token] = logits[row].topk(4).indices.to(torch.int32)
+    assert torch.equal(table, expected)
+
+
 def test_k_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError, match=r"k must be in 1\.\.10"):
         top_k_ids(torch.zeros(2, 10), 11)
@@ -80,7 +103,7 @@ def test_without_loaded_kernels_torch_answers(monkeypatch) -> None:
 ISA_SCRIPT = """
 import sys, torch
 from specfork.kernels import load_kernels
-from specfork.kernels.logit_rows import logsumexp, top_k_ids
+from specfork.kernels.logit_rows import logsumexp, put_top_k_ids, top_k_ids
 assert load_kernels().isa().startswith(sys.argv[2])
 x = torch.load(sys.argv[1])
 torch.save((top_k_ids(x, 8), logsumexp(x)), sys.argv[1] + ".out")

@@ -15,8 +15,7 @@ import heapq
 
 import torch
 
-from specfork.drafters.base import newest_rows
-from specfork.kernels.logit_rows import top_k_ids
+from specfork.kernels.logit_rows import put_top_k_ids
 from specfork.tree import Tree, TreeBuilder
 
 UNKNOWN = -1  # table entry: no candidate recorded
@@ -77,10 +76,7 @@ class RecycleTable:
         ids = tokens.tolist()
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise ValueError(f"token ids must be in 0..{self.vocab_size - 1}, got {ids}")
-        # index_put with repeated indices has no defined winner: keep each token's last row
-        last = newest_rows(tokens)  # [U]
-        top = top_k_ids(logits, self.width).to(self.table.device)  # [T, W]
-        self.table[tokens[last]] = top[last].to(torch.int32)  # [U, W]
+        put_top_k_ids(self.table, tokens, logits)  # a token's last row wins
 
     def candidates(self, token: int, k: int | None = None) -> list[int]:
         """Up to k (default: width) known successors of `token`, best first; [] if unknown."""

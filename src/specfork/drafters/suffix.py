@@ -123,7 +123,8 @@ class SuffixDrafter:
         committed − 1), so the request's output is indexed up to its last round."""
         if feedback.prompt or self._sequence is None:
             return
-        rows = feedback.tokens[feedback.kept_rows].tolist()  # root, accepted tokens
+        tokens = feedback.tokens.tolist()  # a round's few rows: lists, not a tensor gather
+        rows = [tokens[i] for i in feedback.kept_rows]  # root, accepted tokens
         start = feedback.committed - len(rows)
         if start <= self._length < feedback.committed:
             self._append(rows[self._length - start :])

@@ -164,6 +164,31 @@ torch::Tensor top_k_ids(torch::Tensor x, int64_t k) {
   return out;
 }
 
+void put_top_k_ids(torch::Tensor table, torch::Tensor tokens, torch::Tensor x) {
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == torch::kInt32 && table.is_contiguous(),
+              "put_top_k_ids: table must be a contiguous [N, k] int32 tensor");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == torch::kInt64,
+              "put_top_k_ids: tokens must be [R] int64");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(0) == tokens.size(0),
+              "put_top_k_ids: x must be [R, V] float32, one row per token");
+  const int64_t rows = x.size(0), n = x.size(1), k = table.size(1), slots = table.size(0);
+  TORCH_CHECK(1 <= k && k <= n, "put_top_k_ids: k must be in 1..", n, ", got ", k);
+  auto xc = x.contiguous();
+  auto tc = tokens.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const int64_t* tp = tc.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(0 <= tp[r] && tp[r] < slots, "put_top_k_ids: token ", tp[r], " is not in 0..", slots - 1);
+  std::vector<int64_t> ids(rows * k);
+  parallel_rows(rows, 2, [&](int64_t r0, int64_t r1) {
+    const NextAbove find = next_above();
+    for (int64_t r = r0; r < r1; ++r) top_k_row(xp + r * n, n, k, find, ids.data() + r * k);
+  });
+  int32_t* out = table.data_ptr<int32_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < k; ++j) out[tp[r] * k + j] = static_cast<int32_t>(ids[r * k + j]);
+}
+
 torch::Tensor logsumexp_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) >= 1,
               "logsumexp_rows: x must be [R, V] float32 with V >= 1");

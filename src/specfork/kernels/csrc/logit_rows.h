@@ -10,6 +10,12 @@ namespace sf {
 // other values). 1 <= k <= V.
 torch::Tensor top_k_ids(torch::Tensor x, int64_t k);
 
+// table [N, k] int32 (contiguous), tokens [R] int64 in [0, N), x [R, V] float32: table[tokens[r]]
+// = top_k_ids(x, k)[r] in place, rows in order (a token's later row wins). One call for what a
+// recycle table learns from a round: the torch ops it replaces cost ~100 µs after a forward has
+// flushed the caches.
+void put_top_k_ids(torch::Tensor table, torch::Tensor tokens, torch::Tensor x);
+
 // x [R, V] float32 → float32 [R]: log Σ_j exp(x[r, j]), computed as max + log Σ exp(x − max)
 // in one fixed order per row (the same value whatever the rows or threads).
 torch::Tensor logsumexp_rows(torch::Tensor x);

@@ -443,6 +443,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack", &sf::unpack);
   m.def("top_k_ids", &sf::top_k_ids, py::arg("x"), py::arg("k"),
         py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
+  m.def("put_top_k_ids", &sf::put_top_k_ids, py::arg("table"), py::arg("tokens"), py::arg("x"),
+        py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
   m.def("logsumexp_rows", &sf::logsumexp_rows, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
   m.def("isa", []() { return std::string(sf::isa_name()); });
   m.def("threads", &sf::pool_threads);
