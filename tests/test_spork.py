@@ -19,6 +19,11 @@ V = 32
 # ----------------------------------------------------------------------------- scores, caps
 
 
+def _capped(tree: Tree, scores: torch.Tensor, tau: float, max_nodes: int) -> tuple[Tree, list]:
+    """`_cap` of a Tree and its scores tensor."""
+    return _cap(tree.tokens.tolist(), tree.parents.tolist(), scores.tolist(), tau, max_nodes)
+
+
 def test_node_scores_multiply_inverse_sibling_ranks() -> None:
     # root children: 0 (rank 0), 1 (rank 1), 4 (rank 2); node 0's children: 2, 3; node 2: 5
     tree = Tree([5, 6, 7, 8, 9, 10], [-1, -1, 0, 0, -1, 2])
@@ -28,15 +33,15 @@ def test_node_scores_multiply_inverse_sibling_ranks() -> None:
 
 def test_cap_drops_nodes_below_tau_and_their_subtrees() -> None:
     tree = Tree([5, 6, 7, 8, 9, 10], [-1, -1, 0, 0, -1, 1])
-    capped, kept = _cap(tree, node_scores(tree), tau=0.5, max_nodes=100)  # 4 (1/3) goes
+    capped, kept = _capped(tree, node_scores(tree), tau=0.5, max_nodes=100)  # 4 (1/3) goes
     assert capped.tokens.tolist() == [5, 6, 7, 8, 10]
     assert capped.parents.tolist() == [-1, -1, 0, 0, 1]
-    assert kept.tolist() == [True, True, True, True, False, True]
+    assert kept == [0, 1, 2, 3, 5]
 
 
 def test_cap_keeps_the_best_nodes_and_their_ancestors() -> None:
     tree = Tree([5, 6, 7, 8, 9], [-1, 0, 1, -1, 3])  # chain 5-6-7 (score 1), fork 8-9 (1/2)
-    capped, _ = _cap(tree, node_scores(tree), tau=0.0, max_nodes=4)
+    capped, _ = _capped(tree, node_scores(tree), tau=0.0, max_nodes=4)
     assert capped.tokens.tolist() == [5, 6, 7, 8]
     assert set(capped.parents.tolist()) <= {-1, 0, 1}
 
@@ -46,9 +51,9 @@ def test_tau_never_drops_the_best_first_guess() -> None:
     (its own subtree below τ goes), so a round that paid for drafting verifies something."""
     tree = Tree([5, 6, 7, 8], [-1, -1, 1, 2])
     scores = torch.tensor([0.2, 0.3, 0.25, 0.1], dtype=torch.float64)  # [N]
-    capped, _ = _cap(tree, scores, tau=0.5, max_nodes=24)
+    capped, _ = _capped(tree, scores, tau=0.5, max_nodes=24)
     assert capped.tokens.tolist() == [6] and capped.parents.tolist() == [-1]
-    assert len(_cap(tree, scores, tau=0.0, max_nodes=0)[0]) == 0  # no room: nothing
+    assert len(_capped(tree, scores, tau=0.0, max_nodes=0)[0]) == 0  # no room: nothing
 
 
 # ----------------------------------------------------------------------------- fork drafter

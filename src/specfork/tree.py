@@ -37,6 +37,9 @@ class Tree:
     is_chain: bool = field(default=False, init=False, compare=False)  # no branching at all
 
     def __post_init__(self) -> None:
+        if _int_list(self.tokens) and _int_list(self.parents):  # a round's nodes, as built
+            self._from_lists(self.tokens, self.parents)
+            return
         tokens = torch.as_tensor(self.tokens)
         parents = torch.as_tensor(self.parents)
         for name, t in (("tokens", tokens), ("parents", parents)):
@@ -53,6 +56,23 @@ class Tree:
         if tokens.numel() and int(tokens.min()) < 0:
             raise ValueError(f"tree tokens must be non-negative ids, got {tokens.tolist()}")
         links = parents.tolist()  # plain Python: trees are small, tensor ops cost more here
+        self._set(tokens, parents, links)
+
+    def _from_lists(self, tokens: list[int], links: list[int]) -> None:
+        """Validated on the lists, then one tensor each (a few µs less than tensor checks,
+        several times that right after a forward has flushed the caches)."""
+        if len(tokens) != len(links):
+            raise ValueError(
+                f"tree tokens and parents must have the same length, got {len(tokens)} "
+                f"tokens and {len(links)} parents"
+            )
+        if tokens and min(tokens) < 0:
+            raise ValueError(f"tree tokens must be non-negative ids, got {tokens}")
+        long = torch.long
+        self._set(torch.tensor(tokens, dtype=long), torch.tensor(links, dtype=long), links)
+
+    def _set(self, tokens: torch.Tensor, parents: torch.Tensor, links: list[int]) -> None:
+        """Check the parent links (topological order) and store the int64 tensors."""
         bad = next((i for i, parent in enumerate(links) if not -1 <= parent < i), None)
         if bad is not None:
             raise ValueError(
@@ -73,6 +93,11 @@ class Tree:
 
     def __hash__(self) -> int:
         return hash((tuple(self.tokens.tolist()), tuple(self.parents.tolist())))
+
+
+def _int_list(values: object) -> bool:
+    """Whether `values` is a list of Python ints (bools excluded)."""
+    return isinstance(values, list) and all(type(v) is int for v in values)
 
 
 def chain(tokens: Sequence[int] | torch.Tensor) -> Tree:
@@ -166,11 +191,17 @@ def node_scores(tree: Tree) -> torch.Tensor:
     Rank 0 is the best candidate (the first child by node index): a Zipf-like prior for "this
     is the continuation the target will choose".
     """
-    scores = torch.ones(len(tree), dtype=torch.float64)  # [N]
-    for parent, kids in enumerate(children(tree)):
-        base = 1.0 if parent == 0 else float(scores[parent - 1])
-        for rank, node in enumerate(kids):
-            scores[node] = base / (rank + 1)
+    return torch.tensor(rank_scores(tree.parents.tolist()), dtype=torch.float64)  # [N]
+
+
+def rank_scores(parents: list[int]) -> list[float]:
+    """`node_scores` of a tree given by its parents (topological order), as a list."""
+    scores: list[float] = []
+    ranks: dict[int, int] = {}  # parent -> children seen so far
+    for parent in parents:
+        rank = ranks.get(parent, 0)
+        ranks[parent] = rank + 1
+        scores.append((1.0 if parent < 0 else scores[parent]) / (rank + 1))
     return scores
 
 
@@ -264,18 +295,24 @@ def prune(tree: Tree, keep_mask: torch.Tensor) -> tuple[Tree, torch.Tensor]:
     keep = torch.as_tensor(keep_mask, dtype=torch.bool).tolist()
     if len(keep) != len(tree):
         raise ValueError(f"keep_mask has {len(keep)} entries for a tree of {len(tree)} nodes")
-    parents = tree.parents.tolist()
-    index_map = [-1] * len(tree)
-    new_parents = []
-    for i, parent in enumerate(parents):
-        if keep[i] and (parent < 0 or index_map[parent] >= 0):
-            index_map[i] = len(new_parents)
-            new_parents.append(-1 if parent < 0 else index_map[parent])
+    index_map, new_parents = kept_index(tree.parents.tolist(), keep)
     old_to_new = torch.tensor(index_map, dtype=torch.long, device=tree.parents.device)  # [N]
     kept = old_to_new >= 0
     new_parents_t = torch.tensor(new_parents, dtype=torch.long, device=tree.parents.device)
     pruned = Tree(tree.tokens[kept], new_parents_t)
     return pruned, old_to_new
+
+
+def kept_index(parents: list[int], keep: list[bool]) -> tuple[list[int], list[int]]:
+    """`prune` on lists: the new index of every node (-1 where it or an ancestor is not in
+    `keep`) and the kept nodes' parents in the new numbering, in order."""
+    index_map = [-1] * len(parents)
+    new_parents: list[int] = []
+    for i, parent in enumerate(parents):
+        if keep[i] and (parent < 0 or index_map[parent] >= 0):
+            index_map[i] = len(new_parents)
+            new_parents.append(-1 if parent < 0 else index_map[parent])
+    return index_map, new_parents
 
 
 def cache_indices(path: Sequence[int], start: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from specfork.config import SamplingParams
 from specfork.drafters.base import Draft, Drafter, DraftShape, Feedback, own_feedback, start
 from specfork.drafters.recycle import RecycleTable
-from specfork.tree import Tree, TreeBuilder, node_scores, prune
+from specfork.tree import Tree, TreeBuilder, kept_index, node_scores
 
 GREEDY = SamplingParams()
 RECYCLE = "recycle"  # the source name of the recycled top-k forks
@@ -104,11 +104,10 @@ class ForkDrafter:
                 recycled = self._recycled(history[-1], shape)
                 recycled_draft = Draft(recycled, source=RECYCLE)
                 _add_tree(builder, best, recycled_draft, node_scores(recycled).tolist())
-        built = builder.build()
-        prior = torch.tensor([best[i][0] for i in range(len(built))], dtype=torch.float64)  # [N]
-        tree, kept = _cap(built, prior, shape.tau, shape.max_nodes)
-        origins = tuple(best[i][1] for i in kept.nonzero().flatten().tolist())
-        return Draft(tree, None, prior[kept], forwards, self.name, origins)
+        prior = [best[i][0] for i in range(len(builder))]
+        tree, kept = _cap(builder.tokens, builder.parents, prior, shape.tau, shape.max_nodes)
+        scores = torch.tensor([prior[i] for i in kept], dtype=torch.float64)  # [N]
+        return Draft(tree, None, scores, forwards, self.name, tuple(best[i][1] for i in kept))
 
     def _recycled(self, root: int, shape: DraftShape) -> Tree:
         assert self.table is not None
@@ -131,25 +130,30 @@ def _add_tree(
             best[index[-1]] = (score, draft.origin(i))
 
 
-def _cap(tree: Tree, scores: torch.Tensor, tau: float, max_nodes: int) -> tuple[Tree, torch.Tensor]:
+def _cap(
+    tokens: list[int], parents: list[int], scores: list[float], tau: float, max_nodes: int
+) -> tuple[Tree, list[int]]:
     """Drop nodes scoring below τ, then keep the `max_nodes` best (ancestors always kept).
 
     τ never drops the best first-level node: a round always verifies at least one guess (a
     model drafter has paid for it already, and one more row costs the verifier little).
     scores [N] never exceed a node's parent's score within one source, and a merged node
     keeps its best source's score, so the kept set is closed under ancestors. Returns the
-    smaller tree and the kept nodes' mask [N].
+    smaller tree and the kept nodes' indices, on lists (a round's few nodes cost less so
+    than as tensors).
     """
-    if len(tree) == 0 or max_nodes < 1:
-        pruned, index = prune(tree, torch.zeros(len(tree), dtype=torch.bool))
-        return pruned, index >= 0
-    keep = scores >= tau
-    first = (tree.parents < 0).nonzero().flatten()  # [F] the root's children
-    keep[first[int(scores[first].argmax())]] = True  # ties: the earliest
-    if int(keep.sum()) > max_nodes:
-        # a node scores at most its parent, so the best max_nodes (ties: earlier) are closed
-        order = sorted(range(len(tree)), key=lambda i: (-float(scores[i]), i))[:max_nodes]
-        keep = torch.zeros(len(tree), dtype=torch.bool)
-        keep[order] = True
-    pruned, index = prune(tree, keep)
-    return pruned, index >= 0
+    keep = [False] * len(tokens)
+    if tokens and max_nodes >= 1:
+        keep = [score >= tau for score in scores]
+        first = [i for i, parent in enumerate(parents) if parent < 0]
+        keep[max(first, key=lambda i: (scores[i], -i))] = True  # ties: the earliest
+        if sum(keep) > max_nodes:
+            # a node scores at most its parent, so the best max_nodes (ties: earlier) are closed
+            order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:max_nodes]
+            keep = [False] * len(tokens)
+            for i in order:
+                keep[i] = True
+    index_map, new_parents = kept_index(parents, keep)
+    kept = [i for i, j in enumerate(index_map) if j >= 0]
+    kept_tokens = torch.tensor([tokens[i] for i in kept], dtype=torch.long)  # [N']
+    return Tree(kept_tokens, torch.tensor(new_parents, dtype=torch.long)), kept

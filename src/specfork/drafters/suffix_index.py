@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from specfork.checks import is_int
+from specfork.drafters.suffix_nodes import NONE, ROOT, Nodes
 from specfork.errors import ConfigError
 
 
@@ -62,60 +63,6 @@ class Snapshot:
     next_id: int
 
 
-class _Node:
-    """A trie node: how often its substring occurs, and its children by next token. Most
-    nodes (deep in text seen once) have one child: it is held inline (`token`, `only`), and a
-    dict (`more`) only from the second child on — a quarter of the memory of a dict each."""
-
-    __slots__ = ("count", "more", "only", "token")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.token = -1  # the inline child's token
-        self.only: _Node | None = None  # the one child, when there is exactly one
-        self.more: dict[int, _Node] | None = None  # the children, when there are several
-
-    def get(self, token: int) -> _Node | None:
-        if self.only is not None:
-            return self.only if self.token == token else None
-        return None if self.more is None else self.more.get(token)
-
-    def child(self, token: int) -> _Node:
-        """The child for `token`, made if missing."""
-        node = self.get(token)
-        if node is None:
-            node = _Node()
-            if self.only is None and self.more is None:
-                self.token, self.only = token, node
-            else:
-                if self.more is None:
-                    assert self.only is not None
-                    self.more, self.only, self.token = {self.token: self.only}, None, -1
-                self.more[token] = node
-        return node
-
-    def remove(self, token: int) -> None:
-        if self.only is not None:
-            self.only, self.token = None, -1
-            return
-        assert self.more is not None
-        del self.more[token]
-        if len(self.more) == 1:
-            ((self.token, self.only),) = self.more.items()
-            self.more = None
-
-    def items(self) -> list[tuple[int, _Node]]:
-        """(token, child) of every child."""
-        if self.only is not None:
-            return [(self.token, self.only)]
-        return [] if self.more is None else list(self.more.items())
-
-    @property
-    def continued(self) -> bool:
-        """Whether it has children (its substring occurred followed by something)."""
-        return self.only is not None or self.more is not None
-
-
 class _Sequence:
     """One indexed sequence: its tokens from `first` on are indexed; `open` holds the deepest
     node of every path still shorter than the depth, oldest start first (they start at the
@@ -126,7 +73,7 @@ class _Sequence:
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.first = 0
-        self.open: list[_Node] = []
+        self.open: list[int] = []  # node ids
 
     @property
     def kept(self) -> int:
@@ -142,7 +89,7 @@ class SuffixIndex:
         self._clear()
 
     def _clear(self) -> None:
-        self._root = _Node()
+        self._nodes = Nodes()
         self._sequences: OrderedDict[int, _Sequence] = OrderedDict()  # oldest first
         self._tokens = 0  # indexed tokens over all sequences
         self._next_id = 0
@@ -173,12 +120,12 @@ class SuffixIndex:
     def _push(self, seq: _Sequence, token: int) -> None:
         """Index `token` at the end of `seq`: every open path grows by it, one path starts."""
         seq.tokens.append(token)
-        paths = seq.open
+        nodes, count, paths = self._nodes, self._nodes.count, seq.open
         for i, node in enumerate(paths):
-            child = paths[i] = node.child(token)
-            child.count += 1
-        child = self._root.child(token)
-        child.count += 1
+            child = paths[i] = nodes.child(node, token)
+            count[child] += 1
+        child = nodes.child(ROOT, token)
+        count[child] += 1
         paths.append(child)
         if len(paths) >= self.limits.depth:
             paths.pop(0)  # the oldest path is full: `depth` tokens
@@ -195,13 +142,13 @@ class SuffixIndex:
     def _trim_front(self, seq: _Sequence) -> None:
         """Forget the first indexed token of `seq`: the path of substrings starting there."""
         start = seq.first
-        node = self._root
+        nodes, node = self._nodes, ROOT
         for token in seq.tokens[start : start + self.limits.depth]:
-            child = node.get(token)
-            assert child is not None
-            child.count -= 1
-            if child.count == 0:  # only this path passed through it: drop its subtree
-                node.remove(token)
+            child = nodes.get(node, token)
+            assert child != NONE
+            nodes.count[child] -= 1
+            if nodes.count[child] == 0:  # only this path passed through it: drop its subtree
+                nodes.remove(node, token)
                 break
             node = child
         if seq.open and len(seq.tokens) - len(seq.open) == start:
@@ -232,39 +179,40 @@ class SuffixIndex:
         left out."""
         with self._lock:
             match, node = self._match(context, min(max_match, self.limits.depth - 1))
-            if node is None:
+            if node == NONE:
                 return Proposal([], [], [], 0)
             depth = min(max_depth, max(1, math.ceil(spec_factor * match)))
             if chain:
-                return _best_path(node, min(depth, max_nodes), min_prob, match)
-            return _best_first(node, max_nodes, depth, min_prob, match)
+                return _best_path(self._nodes, node, min(depth, max_nodes), min_prob, match)
+            return _best_first(self._nodes, node, max_nodes, depth, min_prob, match)
 
-    def _match(self, context: list[int], longest: int) -> tuple[int, _Node | None]:
+    def _match(self, context: list[int], longest: int) -> tuple[int, int]:
         """The longest m <= `longest` whose last-m-token node has children, and that node
         (binary search: a suffix of a continued substring is continued too)."""
-        low, high, found = 1, min(longest, len(context)), None
+        low, high, found = 1, min(longest, len(context)), NONE
         while low <= high:
             mid = (low + high) // 2
             node = self._walk(context[len(context) - mid :])
-            if node is not None and node.continued:
+            if node != NONE and self._nodes.continued(node):
                 low, found = mid + 1, node
             else:
                 high = mid - 1
-        return (high, found) if found is not None else (0, None)
+        return (high, found) if found != NONE else (0, NONE)
 
-    def _walk(self, tokens: list[int]) -> _Node | None:
-        node: _Node | None = self._root
+    def _walk(self, tokens: list[int]) -> int:
+        """The node of `tokens`' substring, or NONE."""
+        node = ROOT
         for token in tokens:
-            if node is None:
-                return None
-            node = node.get(token)
+            node = self._nodes.get(node, token)
+            if node == NONE:
+                return NONE
         return node
 
     def count(self, tokens: list[int]) -> int:
         """How often `tokens` (at most `depth` of them) occurs in the indexed sequences."""
         with self._lock:
             node = self._walk(tokens)
-            return 0 if node is None else node.count
+            return 0 if node == NONE else self._nodes.count[node]
 
     @property
     def tokens(self) -> int:
@@ -280,11 +228,11 @@ class SuffixIndex:
     def nodes(self) -> int:
         """Trie nodes (the root excluded): at most `tokens · depth`."""
         with self._lock:
-            stack, total = [self._root], -1
+            stack, total = [ROOT], -1
             while stack:
                 node = stack.pop()
                 total += 1
-                stack.extend(child for _, child in node.items())
+                stack.extend(child for _, child in self._nodes.items(node))
             return total
 
     # -- snapshots --------------------------------------------------------------------------
@@ -308,21 +256,22 @@ class SuffixIndex:
             self._clear()
 
 
-def _shares(node: _Node) -> list[tuple[float, int, _Node]]:
+def _shares(nodes: Nodes, node: int) -> list[tuple[float, int, int]]:
     """(probability, token, child) of `node`'s children, most probable first (ties: lower
     token id): a child's count over its siblings' total."""
-    children = node.items()
-    total = sum(c.count for _, c in children)
-    ranked = sorted(children, key=lambda item: (-item[1].count, item[0]))
-    return [(c.count / total, token, c) for token, c in ranked]
+    count = nodes.count
+    children = nodes.items(node)
+    total = sum(count[c] for _, c in children)
+    ranked = sorted(children, key=lambda item: (-count[item[1]], item[0]))
+    return [(count[c] / total, token, c) for token, c in ranked]
 
 
-def _best_path(node: _Node, depth: int, min_prob: float, match: int) -> Proposal:
+def _best_path(nodes: Nodes, node: int, depth: int, min_prob: float, match: int) -> Proposal:
     tokens: list[int] = []
     scores: list[float] = []
     score = 1.0
-    while len(tokens) < depth and node.continued:
-        prob, token, node = _shares(node)[0]
+    while len(tokens) < depth and nodes.continued(node):
+        prob, token, node = _shares(nodes, node)[0]
         score *= prob
         if score < min_prob:
             break
@@ -331,16 +280,18 @@ def _best_path(node: _Node, depth: int, min_prob: float, match: int) -> Proposal
     return Proposal(tokens, list(range(-1, len(tokens) - 1)), scores, match)
 
 
-def _best_first(node: _Node, max_nodes: int, depth: int, min_prob: float, match: int) -> Proposal:
+def _best_first(
+    nodes: Nodes, node: int, max_nodes: int, depth: int, min_prob: float, match: int
+) -> Proposal:
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
     order = 0  # ties: the earlier pushed first, so the result is deterministic
-    heap: list[tuple[float, int, int, int, int, _Node]] = []  # -score, order, level, parent, …
+    heap: list[tuple[float, int, int, int, int, int]] = []  # -score, order, level, parent, …
 
-    def push(below: _Node, parent: int, level: int, score: float) -> None:
+    def push(below: int, parent: int, level: int, score: float) -> None:
         nonlocal order
-        for prob, token, child in _shares(below):
+        for prob, token, child in _shares(nodes, below):
             heapq.heappush(heap, (-score * prob, order, level, parent, token, child))
             order += 1
 
