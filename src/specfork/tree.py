@@ -155,10 +155,7 @@ class TreeBuilder:
 
     def build(self) -> Tree:
         """The tree grown so far."""
-        return Tree(
-            torch.tensor(self.tokens, dtype=torch.long),
-            torch.tensor(self.parents, dtype=torch.long),
-        )
+        return Tree(list(self.tokens), list(self.parents))
 
 
 def from_forks(
@@ -296,11 +293,12 @@ def prune(tree: Tree, keep_mask: torch.Tensor) -> tuple[Tree, torch.Tensor]:
     if len(keep) != len(tree):
         raise ValueError(f"keep_mask has {len(keep)} entries for a tree of {len(tree)} nodes")
     index_map, new_parents = kept_index(tree.parents.tolist(), keep)
-    old_to_new = torch.tensor(index_map, dtype=torch.long, device=tree.parents.device)  # [N]
-    kept = old_to_new >= 0
-    new_parents_t = torch.tensor(new_parents, dtype=torch.long, device=tree.parents.device)
-    pruned = Tree(tree.tokens[kept], new_parents_t)
-    return pruned, old_to_new
+    tokens = tree.tokens.tolist()
+    pruned = Tree([tokens[i] for i, j in enumerate(index_map) if j >= 0], new_parents)
+    device = tree.parents.device
+    if device.type != "cpu":
+        pruned = Tree(pruned.tokens.to(device), pruned.parents.to(device))
+    return pruned, torch.tensor(index_map, dtype=torch.long, device=device)  # [N]
 
 
 def kept_index(parents: list[int], keep: list[bool]) -> tuple[list[int], list[int]]:
