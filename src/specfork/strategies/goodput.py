@@ -480,6 +480,8 @@ class TreeGate:
             proposed.scores.tolist(), proposed.tree.parents.tolist(), _origins(proposed)
         )
         self.paid = any(keep)
+        if all(keep):
+            return proposed
         return proposed.subset(torch.tensor(keep, dtype=torch.bool))
 
     def values(self, draft: Draft, order: list[int]) -> list[float] | None:
