@@ -280,6 +280,37 @@ def test_a_chain_copies_the_requests_own_latest_occurrence_unless_the_index_matc
     assert longer.propose([6, 3, 9, 5, 6], DraftShape(4), greedy, rng).tokens.tolist() == [4, 4, 4]
 
 
+class _CountingIndex(SuffixIndex):
+    """A suffix index that counts the queries it answers."""
+
+    def __init__(self, limits: SuffixLimits) -> None:
+        super().__init__(limits)
+        self.queries = 0
+
+    def propose(self, context: list[int], **kwargs) -> Proposal:
+        self.queries += 1
+        return super().propose(context, **kwargs)
+
+
+def test_an_own_match_as_long_as_the_index_can_match_skips_the_index_for_a_chain() -> None:
+    """The index matches at most min(max_match, depth - 1) tokens: an own match that long
+    wins whatever the index holds, so a chain is drafted without asking it (a tree still
+    asks it for the nodes around the own chain); shorter own matches ask it."""
+    index = _CountingIndex(SuffixLimits(depth=5))  # matches of at most 4 tokens
+    index.open([1, 2, 3, 4, 9, 9])  # an earlier request: after 1 2 3 4 came 9 9
+    history = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4]  # its own 1 2 3 4 went on 5 6
+    drafter = SuffixDrafter(index).begin(history)
+    greedy, rng = SamplingParams(), torch.Generator()
+    chain = drafter.propose(history, DraftShape(2), greedy, rng)
+    assert chain.tokens.tolist() == [5, 6] and index.queries == 0
+    tree = drafter.propose(history, DraftShape(2, "forks", forks=2), greedy, rng)
+    assert tree.tokens.tolist()[:2] == [5, 6] and 9 in tree.tokens.tolist()
+    assert index.queries == 1
+    short = SuffixDrafter(index).begin([7, 3, 4, 8, 3, 4])  # own match "3 4": 2 tokens
+    assert short.propose([7, 3, 4, 8, 3, 4], DraftShape(2), greedy, rng).tokens.tolist()
+    assert index.queries == 2
+
+
 def test_a_tree_has_the_own_chain_first_and_the_indexs_nodes_around_it() -> None:
     """A tree shape (a SPORK source): the own chain is the first path (scores 1), the index's
     nodes not already on it follow by their scores, within the node budget."""

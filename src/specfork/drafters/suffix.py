@@ -24,7 +24,7 @@ import torch
 from specfork.config import SamplingParams
 from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback
 from specfork.drafters.suffix_index import Proposal, SuffixIndex
-from specfork.drafters.suffix_local import LocalMatches
+from specfork.drafters.suffix_local import LocalMatch, LocalMatches
 from specfork.errors import ConfigError
 from specfork.tree import Tree
 
@@ -89,32 +89,35 @@ class SuffixDrafter:
         self._sync(history)
         if shape.depth < 1 or shape.max_nodes < 1:
             return EMPTY_DRAFT
-        s = self.settings
-        found = self.index.propose(
-            history,
-            max_match=s.max_match,
-            max_nodes=shape.max_nodes,
-            max_depth=shape.depth,
-            spec_factor=s.spec_factor,
-            min_prob=s.min_prob,
-            chain=shape.kind == "chain",
-        )
-        own = self._own(found, min(shape.depth, shape.max_nodes))
-        if own is not found:
-            found = own if shape.kind == "chain" else _merged(own, found, shape.max_nodes)
+        s, chain = self.settings, shape.kind == "chain"
+        depth = min(shape.depth, shape.max_nodes)
+        local = self._local.longest() if s.own else None
+        reach = min(s.max_match, self.index.limits.depth - 1)  # the index's longest match
+        if chain and local is not None and local.length >= reach:
+            found = self._own(local, depth)  # no match in the index can be longer
+        else:
+            found = self.index.propose(
+                history,
+                max_match=s.max_match,
+                max_nodes=shape.max_nodes,
+                max_depth=shape.depth,
+                spec_factor=s.spec_factor,
+                min_prob=s.min_prob,
+                chain=chain,
+            )
+            if local is not None and local.length >= found.match:
+                own = self._own(local, depth)
+                found = own if chain else _merged(own, found, shape.max_nodes)
         if not found.tokens:
             return EMPTY_DRAFT
         scores = torch.tensor(found.scores, dtype=torch.float64)  # [N]
         source = f"suffix-{next(b for b in _MATCH_BUCKETS if found.match >= b)}"
         return Draft(Tree(found.tokens, found.parents), None, scores, 0, source)
 
-    def _own(self, found: Proposal, depth: int) -> Proposal:
+    def _own(self, local: LocalMatch, depth: int) -> Proposal:
         """The chain after the latest occurrence of the history's longest suffix in the
-        history itself, when that match is at least as long as the index's (`found`);
-        else `found`. Its tokens score 1 each, like n-gram's (a copy, not a frequency)."""
-        local = self._local.longest() if self.settings.own else None
-        if local is None or local.length < found.match:
-            return found
+        history itself (`local`), up to `depth` tokens: what a match at least as long as the
+        index's drafts. Its tokens score 1 each, like n-gram's (a copy, not a frequency)."""
         tokens = self._local.following(local, depth)
         return Proposal(tokens, list(range(-1, len(tokens) - 1)), [1.0] * len(tokens), local.length)
 
