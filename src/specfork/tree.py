@@ -68,8 +68,8 @@ class Tree:
             )
         if tokens and min(tokens) < 0:
             raise ValueError(f"tree tokens must be non-negative ids, got {tokens}")
-        long = torch.long
-        self._set(torch.tensor(tokens, dtype=long), torch.tensor(links, dtype=long), links)
+        ids = torch.tensor(tokens, dtype=torch.long)  # [N]
+        self._set(ids, torch.tensor(links, dtype=torch.long), links)
 
     def _set(self, tokens: torch.Tensor, parents: torch.Tensor, links: list[int]) -> None:
         """Check the parent links (topological order) and store the int64 tensors."""
@@ -155,7 +155,7 @@ class TreeBuilder:
 
     def build(self) -> Tree:
         """The tree grown so far."""
-        return Tree(list(self.tokens), list(self.parents))
+        return Tree(self.tokens, self.parents)  # copied into tensors
 
 
 def from_forks(
@@ -292,25 +292,25 @@ def prune(tree: Tree, keep_mask: torch.Tensor) -> tuple[Tree, torch.Tensor]:
     keep = torch.as_tensor(keep_mask, dtype=torch.bool).tolist()
     if len(keep) != len(tree):
         raise ValueError(f"keep_mask has {len(keep)} entries for a tree of {len(tree)} nodes")
-    index_map, new_parents = kept_index(tree.parents.tolist(), keep)
-    tokens = tree.tokens.tolist()
-    pruned = Tree([tokens[i] for i, j in enumerate(index_map) if j >= 0], new_parents)
+    pruned, index_map = prune_lists(tree.tokens.tolist(), tree.parents.tolist(), keep)
     device = tree.parents.device
     if device.type != "cpu":
         pruned = Tree(pruned.tokens.to(device), pruned.parents.to(device))
     return pruned, torch.tensor(index_map, dtype=torch.long, device=device)  # [N]
 
 
-def kept_index(parents: list[int], keep: list[bool]) -> tuple[list[int], list[int]]:
-    """`prune` on lists: the new index of every node (-1 where it or an ancestor is not in
-    `keep`) and the kept nodes' parents in the new numbering, in order."""
+def prune_lists(tokens: list[int], parents: list[int], keep: list[bool]) -> tuple[Tree, list[int]]:
+    """`prune` of a tree given as lists (a round's few nodes cost less so than as tensors):
+    the smaller tree (on the CPU) and the new index of every node, -1 where it or an
+    ancestor is not in `keep`."""
     index_map = [-1] * len(parents)
     new_parents: list[int] = []
     for i, parent in enumerate(parents):
         if keep[i] and (parent < 0 or index_map[parent] >= 0):
             index_map[i] = len(new_parents)
             new_parents.append(-1 if parent < 0 else index_map[parent])
-    return index_map, new_parents
+    kept_tokens = [tokens[i] for i, j in enumerate(index_map) if j >= 0]
+    return Tree(kept_tokens, new_parents), index_map
 
 
 def cache_indices(path: Sequence[int], start: int) -> torch.Tensor:

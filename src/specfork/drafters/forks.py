@@ -26,7 +26,7 @@ import torch
 from specfork.config import SamplingParams
 from specfork.drafters.base import Draft, Drafter, DraftShape, Feedback, own_feedback, start
 from specfork.drafters.recycle import RecycleTable
-from specfork.tree import Tree, TreeBuilder, kept_index, node_scores
+from specfork.tree import Tree, TreeBuilder, node_scores, prune_lists
 
 GREEDY = SamplingParams()
 RECYCLE = "recycle"  # the source name of the recycled top-k forks
@@ -153,7 +153,5 @@ def _cap(
             keep = [False] * len(tokens)
             for i in order:
                 keep[i] = True
-    index_map, new_parents = kept_index(parents, keep)
-    kept = [i for i, j in enumerate(index_map) if j >= 0]
-    kept_tokens = torch.tensor([tokens[i] for i in kept], dtype=torch.long)  # [N']
-    return Tree(kept_tokens, torch.tensor(new_parents, dtype=torch.long)), kept
+    tree, index_map = prune_lists(tokens, parents, keep)
+    return tree, [i for i, j in enumerate(index_map) if j >= 0]
