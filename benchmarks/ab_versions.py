@@ -12,7 +12,8 @@ Only one worker computes at a time. With `--batch N` the prompts go in groups of
 `generate_batch` (up to N requests decoding in each forward), and a job's speed is its generated
 tokens over its wall time (prefill included). Prints, per strategy, the median tokens/s of each
 version, the median of the per-prompt ratios B / A, and whether both versions emitted the same
-tokens (EOS ignored; greedy by default, or seeded sampling with `--temperature`/`--top-p`).
+tokens (EOS ignored; greedy by default, or seeded sampling with `--temperature`/`--top-p`;
+`--unseeded`: each request's own random stream, tokens not compared).
 
     git worktree add /tmp/specfork-old <old commit>
     python benchmarks/ab_versions.py /tmp/specfork-old . \\
@@ -141,6 +142,12 @@ def main() -> None:
     ap.add_argument("--suffix", action="store_true", help="also the suffix drafter's strategies")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="sample from each request's own random stream (no seed): the engine's unseeded "
+        "path; the versions' tokens then differ",
+    )
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together (1: alone)")
     ap.add_argument(
         "--own-curves", action="store_true", help="each version its own cost curve (kernels)"
@@ -152,7 +159,8 @@ def main() -> None:
         "curve, as `specfork bench` and the server do (a change to what requests share)",
     )
     args = ap.parse_args()
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": 0}
+    seed = None if args.unseeded else 0
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": seed}
     strategies = {**STRATEGIES, **(HEADS if args.heads else {}), **(SUFFIX if args.suffix else {})}
     sys.path.insert(0, str(args.b / "src"))
     from specfork.bench.prompts import load_prompts, select_prompts

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from isa_run import run_under, skip_unless_lower
 from specfork.kernels import load_kernels
 from specfork.kernels import logit_rows as logit_rows_module
 from specfork.kernels.logit_rows import logsumexp, put_top_k_ids, top_k_ids
@@ -113,18 +110,9 @@ torch.save((top_k_ids(x, 8), logsumexp(x)), sys.argv[1] + ".out")
 @needs_kernels
 @pytest.mark.parametrize("isa", ["generic", "avx2"])
 def test_every_instruction_set_computes_the_same(tmp_path, isa: str) -> None:
-    if isa == "avx2" and not K.isa().startswith("avx512"):
-        pytest.skip("the AVX2 path is this CPU's best (or absent): the reference itself")
-    if not K.isa().startswith(("avx512", "avx2")):
-        pytest.skip("this CPU runs the portable path alone")
+    skip_unless_lower(K, isa)
     x = torch.randn(5, 5003)
     x[2, 100:200] = 3.0  # ties across a vector boundary
-    path = tmp_path / "x.pt"
-    torch.save(x, path)
-    env = {**os.environ, "SPECFORK_ISA": isa}
-    subprocess.run(
-        [sys.executable, "-c", ISA_SCRIPT, str(path), isa], env=env, check=True, timeout=600
-    )
-    ids, lse = torch.load(str(path) + ".out")
+    ids, lse = run_under(isa, ISA_SCRIPT, x, tmp_path)
     assert torch.equal(ids, top_k_ids(x, 8))  # the same ids; the sums' order differs by ISA
     assert torch.allclose(lse, logsumexp(x), rtol=1e-6, atol=1e-5)

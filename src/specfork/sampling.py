@@ -1,4 +1,5 @@
-"""The only place logits become probabilities or tokens.
+"""Where logits become probabilities or tokens (the kernels compute the same temperature
+softmax and draw for CPU rows, `kernels.sample_rows`, which the engine passes in as a `Sampler`).
 
 `probabilities(logits, params)` applies temperature, then top-k, top-p and min-p, in that order
 (transformers' and vLLM's order), and returns the distribution a token is drawn from. The same
@@ -15,11 +16,15 @@ trimmed or batched (`verify.keyed`).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from specfork.config import SamplingParams
+
+#: draws one token per row of probabilities [..., V] from a generator (`sample`'s signature)
+Sampler = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -20,6 +20,7 @@ import torch
 from specfork.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftShape, Feedback
 from specfork.engine.request import Request
 from specfork.engine.stats import RoundRecord
+from specfork.kernels.sample_rows import fast_probabilities, fast_sample, fast_sample_at
 from specfork.models.base import Segment
 from specfork.sampling import probabilities
 from specfork.strategies.policies import RoundInfo
@@ -182,18 +183,19 @@ def accept(req: Request, draft: Draft, logits: torch.Tensor) -> Verdict:
         p = logits.softmax(-1) if sampling.greedy else probabilities(logits, sampling)
         return verify_tree_typical(draft.tree, p, spec.typical_epsilon, spec.typical_delta)
     if not sampling.greedy and sampling.seed is not None:  # the seed's own draws decide
-        return verify_keyed(
-            draft.tree, probabilities(logits, sampling), sampling.seed, len(req.history)
-        )
+        p = fast_probabilities(logits, sampling)  # [N + 1, V]
+        return verify_keyed(draft.tree, p, sampling.seed, len(req.history), fast_sample_at)
     if draft.is_chain:  # the vectorised chain check
         drafted = draft.tokens.to(logits.device)  # [K]
         if sampling.greedy:
             return verify_greedy(drafted, logits)
-        p = probabilities(logits, sampling)  # [K + 1, V]
-        return verify_sampling(drafted, p, draft.q, req.rng)  # q None: deterministic drafts
+        p = fast_probabilities(logits, sampling)  # [K + 1, V]
+        # q None: deterministic drafts
+        return verify_sampling(drafted, p, draft.q, req.rng, fast_sample)
     if sampling.greedy:
         return verify_tree_greedy(draft.tree, logits)
-    return verify_tree_sampling(draft.tree, probabilities(logits, sampling), draft.q, req.rng)
+    p = fast_probabilities(logits, sampling)  # [N + 1, V]
+    return verify_tree_sampling(draft.tree, p, draft.q, req.rng, fast_sample)
 
 
 def commit(

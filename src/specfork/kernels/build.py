@@ -46,6 +46,7 @@ SOURCES = (
     "attention.cpp",
     "rowops.cpp",
     "logit_rows.cpp",
+    "sample_rows.cpp",
     "head.cpp",
     "model.cpp",
 )

@@ -11,7 +11,7 @@ import torch
 from specfork.kernels.build import loaded_kernels
 
 
-def _kernels_for(logits: torch.Tensor) -> ModuleType | None:
+def kernels_for(logits: torch.Tensor) -> ModuleType | None:
     """The loaded kernels when they take these logits (CPU float32 [R, V]), else None."""
     kernels = loaded_kernels()
     plain = logits.device.type == "cpu" and logits.dtype == torch.float32
@@ -28,7 +28,7 @@ def top_k_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     equal values is its own)."""
     if not 1 <= k <= logits.shape[-1]:
         raise ValueError(f"k must be in 1..{logits.shape[-1]}, got {k}")
-    kernels = _kernels_for(logits)
+    kernels = kernels_for(logits)
     return logits.topk(k, dim=-1).indices if kernels is None else kernels.top_k_ids(logits, k)
 
 
@@ -39,7 +39,7 @@ def put_top_k_ids(table: torch.Tensor, tokens: torch.Tensor, logits: torch.Tenso
 
     On the kernels one call (a round's rows cost ~20 µs right after a forward, where the
     torch ops it replaces took ~120 µs); otherwise `top_k_ids` and one indexed write."""
-    kernels = _kernels_for(logits)
+    kernels = kernels_for(logits)
     cpu_int32 = table.device.type == "cpu" and table.dtype == torch.int32
     if kernels is not None and cpu_int32 and table.is_contiguous():
         kernels.put_top_k_ids(table, tokens.to(torch.long), logits)
@@ -57,7 +57,7 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
 
     On the kernels two vectorised passes a row (~6 µs for V = 49,152, where
     `torch.logsumexp` took 20-50 µs); otherwise `torch.logsumexp`."""
-    kernels = _kernels_for(logits)
+    kernels = kernels_for(logits)
     if kernels is None or logits.shape[-1] == 0:
         return torch.logsumexp(logits.float(), dim=-1)
     return kernels.logsumexp_rows(logits)

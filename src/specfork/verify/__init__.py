@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specfork.sampling import argmax, sample
+from specfork.sampling import Sampler, argmax, sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +54,18 @@ def one_hot_q(draft: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def verify_sampling(
-    draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator
+    draft: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    generator: torch.Generator,
+    sampler: Sampler = sample,
 ) -> Verdict:
     """Lossless speculative sampling of draft [K] with p [K + 1, V] and q [K, V].
 
     q must be the distribution each draft token was actually drawn from; None for deterministic
     drafts (n-gram lookup, greedy heads), the same as `one_hot_q(draft, V)` without building
     it: x_i is accepted with probability p_i(x_i), and the residual is p_i with x_i removed.
+    `sampler` draws the emitted token (`sampling.sample`, or the kernels' equal).
     """
     k = draft.shape[0]
     idx = torch.arange(k, device=draft.device)
@@ -70,7 +75,7 @@ def verify_sampling(
         u = u * q[idx, draft].clamp_min(torch.finfo(q.dtype).tiny)  # [K] u · q(x)
     rejected = (u >= p_x).nonzero()  # u >= p/q  ⇔  rejection
     if rejected.numel() == 0:
-        return Verdict(list(range(k)), [*draft.tolist(), int(sample(p[k], generator))])
+        return Verdict(list(range(k)), [*draft.tolist(), int(sampler(p[k], generator))])
     n = int(rejected[0])
     if q is None:
         residual = p[n].clone()
@@ -79,4 +84,4 @@ def verify_sampling(
         residual = (p[n] - q[n]).clamp_min(0)  # [V]
     total = residual.sum()
     residual = residual / total if total > 0 else p[n]
-    return Verdict(list(range(n)), [*draft[:n].tolist(), int(sample(residual, generator))])
+    return Verdict(list(range(n)), [*draft[:n].tolist(), int(sampler(residual, generator))])

@@ -17,6 +17,8 @@ at the same keyed uniform from q (the inverse-CDF coupling of q and p).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specfork.sampling import keyed_uniform, sample_at
@@ -24,9 +26,16 @@ from specfork.tree import Tree, children
 from specfork.verify import Verdict
 
 
-def verify_keyed(tree: Tree, p: torch.Tensor, seed: int, start: int) -> Verdict:
+def verify_keyed(
+    tree: Tree,
+    p: torch.Tensor,
+    seed: int,
+    start: int,
+    draw_at: Callable[[torch.Tensor, float], int] = sample_at,
+) -> Verdict:
     """Verify `tree` against p [N + 1, V] (row 0 = the root, row i + 1 = node i) for a request
-    seeded with `seed` whose next token sits at sequence position `start`."""
+    seeded with `seed` whose next token sits at sequence position `start`; `draw_at` is the
+    inverse-CDF draw (`sampling.sample_at`, or the kernels' equal)."""
     if p.dim() != 2 or p.shape[0] != len(tree) + 1:
         raise ValueError(
             f"p must be [N + 1, V] = [{len(tree) + 1}, V] for a tree of {len(tree)} nodes, "
@@ -37,7 +46,7 @@ def verify_keyed(tree: Tree, p: torch.Tensor, seed: int, start: int) -> Verdict:
     path: list[int] = []
     row = 0
     while True:
-        y = sample_at(p[row], keyed_uniform(seed, start + len(path)))
+        y = draw_at(p[row], keyed_uniform(seed, start + len(path)))
         nxt = next((c for c in kids[row] if tokens[c] == y), None)
         if nxt is None:
             return Verdict(path, [*(tokens[i] for i in path), y])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from specfork.sampling import argmax, sample
+from specfork.sampling import Sampler, argmax, sample
 from specfork.tree import Tree, children, paths
 from specfork.verify import Verdict
 
@@ -53,7 +53,11 @@ def verify_tree_greedy(tree: Tree, target_logits: torch.Tensor) -> Verdict:
 
 
 def verify_tree_sampling(
-    tree: Tree, p: torch.Tensor, q: torch.Tensor | None, generator: torch.Generator
+    tree: Tree,
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    generator: torch.Generator,
+    sampler: Sampler = sample,
 ) -> Verdict:
     """Lossless multi-candidate speculative sampling of a tree: p [N + 1, V], q [N, V] | None.
 
@@ -112,7 +116,7 @@ def verify_tree_sampling(
             # correct limit, and it avoids dividing by zero.
             r = residual / total if total > 0 else r
         if accepted is None:
-            return Verdict(path, [*(tokens[i] for i in path), int(sample(r, generator))])
+            return Verdict(path, [*(tokens[i] for i in path), int(sampler(r, generator))])
         path.append(accepted)
         row = accepted + 1
 

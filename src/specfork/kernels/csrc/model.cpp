@@ -21,6 +21,7 @@
 #include "packed.h"
 #include "rowops.h"
 #include "logit_rows.h"
+#include "sample_rows.h"
 
 namespace sf {
 
@@ -446,6 +447,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("put_top_k_ids", &sf::put_top_k_ids, py::arg("table"), py::arg("tokens"), py::arg("x"),
         py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
   m.def("logsumexp_rows", &sf::logsumexp_rows, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
+  m.def("softmax_rows", &sf::softmax_rows, py::arg("x"), py::arg("inv_t"),
+        py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
+  m.def("sample_rows", &sf::sample_rows, py::arg("p"), py::arg("u"),
+        py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
   m.def("isa", []() { return std::string(sf::isa_name()); });
   m.def("threads", &sf::pool_threads);
   m.def("active_threads", &sf::pool_active);

@@ -1,0 +1,56 @@
+"""Temperature sampling on the kernels where a model has loaded them, `specfork.sampling`
+elsewhere: the target's probabilities at a temperature and the inverse-CDF draw, each one call
+for a round's rows (`csrc/sample_rows.h`).
+
+As PyTorch ops a row cost ~0.2 ms right after a forward (max, subtract, divide, softmax, sum,
+a float64 cumsum over the vocabulary, searchsorted: each op a pass over a cold row and a
+wake-up of PyTorch's thread pool), ~10% of a sampled decoding step. The kernels compute the
+same distribution (softmax(logits / t), up to float rounding) and draw at the same uniform
+from the same generator, so a request's random stream is consumed as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specfork.config import SamplingParams
+from specfork.kernels.logit_rows import kernels_for
+from specfork.sampling import probabilities, sample, sample_at
+
+
+def fast_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """`sampling.probabilities` of logits [R, V]: on the kernels when only a temperature
+    shapes the distribution (no top-k, top-p or min-p), else as `sampling` computes it."""
+    plain = not params.greedy and not params.top_k and params.top_p >= 1.0 and params.min_p <= 0
+    kernels = kernels_for(logits) if plain else None
+    if kernels is None or logits.shape[-1] == 0:
+        return probabilities(logits, params)
+    return kernels.softmax_rows(logits, 1.0 / params.temperature)  # t >= 1e-5: not greedy
+
+
+def fast_sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """`sampling.sample`: one token per row of probabilities [..., V] at a uniform from
+    `generator` (float64, as `sample` draws it), on the kernels for CPU float32 rows; a row
+    with no finite positive mass is refused as `sample` refuses it."""
+    flat = probs.reshape(-1, probs.shape[-1])  # [N, V]
+    kernels = kernels_for(flat)
+    if kernels is None or generator.device.type != "cpu" or flat.shape[-1] == 0:
+        return sample(probs, generator)
+    u = torch.rand(flat.shape[0], generator=generator, dtype=torch.float64)  # [N]
+    tokens = kernels.sample_rows(flat, u)  # [N]
+    if bool((tokens < 0).any()):
+        raise ValueError("cannot sample from a row with no finite probability mass")
+    return tokens.view(probs.shape[:-1])
+
+
+def fast_sample_at(probs: torch.Tensor, u: float) -> int:
+    """`sampling.sample_at`: the token of probabilities [V] at uniform `u` (a seeded request's
+    keyed draw), on the kernels for a CPU float32 row."""
+    row = probs.reshape(1, -1)  # [1, V]
+    kernels = kernels_for(row)
+    if kernels is None or row.shape[-1] == 0:
+        return sample_at(probs, u)
+    token = int(kernels.sample_rows(row, torch.tensor([u], dtype=torch.float64))[0])
+    if token < 0:
+        raise ValueError("cannot sample from a row with no finite probability mass")
+    return token
