@@ -8,7 +8,7 @@ import torch
 from isa_run import run_under, skip_unless_lower
 from specfork.kernels import load_kernels
 from specfork.kernels import logit_rows as logit_rows_module
-from specfork.kernels.logit_rows import logsumexp, put_top_k_ids, top_k_ids
+from specfork.kernels.logit_rows import logsumexp, put_top_k_ids, top2_probabilities, top_k_ids
 
 K = load_kernels()
 needs_kernels = pytest.mark.skipif(K is None, reason="the kernels cannot be built here")
@@ -90,9 +90,19 @@ def test_k_out_of_range_is_refused() -> None:
         top_k_ids(torch.zeros(2, 10), 0)
 
 
+@needs_kernels
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 49152), (3, 2), (4, 1001)])
+def test_top2_probabilities_are_the_softmaxs_two_best(rows: int, vocab: int) -> None:
+    x = 5 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows + vocab))
+    want = x.softmax(-1).topk(2, dim=-1).values  # [R, 2]
+    assert torch.allclose(top2_probabilities(x), want, rtol=1e-5, atol=1e-8)
+
+
 def test_without_loaded_kernels_torch_answers(monkeypatch) -> None:
     monkeypatch.setattr(logit_rows_module, "loaded_kernels", lambda: None)
     x = torch.randn(4, 100)
+    want = x.softmax(-1).topk(2, dim=-1).values
+    assert torch.allclose(top2_probabilities(x), want, rtol=1e-5, atol=1e-8)
     assert torch.equal(top_k_ids(x, 6), x.topk(6, dim=-1).indices)
     assert torch.equal(logsumexp(x), torch.logsumexp(x, dim=-1))
 

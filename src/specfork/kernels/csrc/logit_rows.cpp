@@ -204,4 +204,26 @@ torch::Tensor logsumexp_rows(torch::Tensor x) {
   return out;
 }
 
+torch::Tensor top2_probs_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) >= 2,
+              "top2_probs_rows: x must be [R, V] float32 with V >= 2");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto xc = x.contiguous();
+  torch::Tensor out = torch::empty({rows, 2}, torch::kFloat32);
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  parallel_rows(rows, 2, [&](int64_t r0, int64_t r1) {
+    const RowLse lse = row_lse();
+    const NextAbove find = next_above();
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = xp + r * n;
+      int64_t ids[2];
+      top_k_row(row, n, 2, find, ids);
+      const float total = lse(row, n);
+      for (int j = 0; j < 2; ++j) op[r * 2 + j] = ids[j] < 0 ? 0.f : std::exp(row[ids[j]] - total);
+    }
+  });
+  return out;
+}
+
 }  // namespace sf

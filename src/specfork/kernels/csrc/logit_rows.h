@@ -20,6 +20,10 @@ void put_top_k_ids(torch::Tensor table, torch::Tensor tokens, torch::Tensor x);
 // in one fixed order per row (the same value whatever the rows or threads).
 torch::Tensor logsumexp_rows(torch::Tensor x);
 
+// x [R, V] float32 (V >= 2) → float32 [R, 2]: the softmax probabilities of each row's two largest
+// entries (top_k_ids' order), exp(x − logsumexp): DSpark's top-1 and margin in one call.
+torch::Tensor top2_probs_rows(torch::Tensor x);
+
 // The same for one row x [n] (n >= 1).
 float logsumexp_row(const float* x, int64_t n);
 

@@ -447,6 +447,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("put_top_k_ids", &sf::put_top_k_ids, py::arg("table"), py::arg("tokens"), py::arg("x"),
         py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
   m.def("logsumexp_rows", &sf::logsumexp_rows, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
+  m.def("top2_probs_rows", &sf::top2_probs_rows, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
   m.def("softmax_rows", &sf::softmax_rows, py::arg("x"), py::arg("inv_t"),
         py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
   m.def("sample_rows", &sf::sample_rows, py::arg("p"), py::arg("u"),
