@@ -10,8 +10,13 @@ from isa_run import run_under, skip_unless_lower
 from specfork.config import SamplingParams
 from specfork.kernels import load_kernels
 from specfork.kernels import logit_rows as logit_rows_module
-from specfork.kernels.sample_rows import fast_probabilities, fast_sample, fast_sample_at
-from specfork.sampling import keyed_uniform, probabilities, sample, sample_at
+from specfork.kernels.sample_rows import (
+    fast_draw,
+    fast_probabilities,
+    fast_sample,
+    fast_sample_at,
+)
+from specfork.sampling import draw, keyed_uniform, probabilities, sample, sample_at
 
 K = load_kernels()
 needs_kernels = pytest.mark.skipif(K is None, reason="the kernels cannot be built here")
@@ -119,7 +124,12 @@ ISA_SCRIPT = """
 import sys, torch
 from specfork.config import SamplingParams
 from specfork.kernels import load_kernels
-from specfork.kernels.sample_rows import fast_probabilities, fast_sample, fast_sample_at
+from specfork.kernels.sample_rows import (
+    fast_draw,
+    fast_probabilities,
+    fast_sample,
+    fast_sample_at,
+)
 assert load_kernels().isa().startswith(sys.argv[2])
 x = torch.load(sys.argv[1])
 p = fast_probabilities(x, SamplingParams(temperature=0.6))
@@ -153,3 +163,15 @@ def test_a_temperature_past_float32s_range_is_uniform_over_the_finite_logits() -
     p = fast_probabilities(x, params)
     assert torch.allclose(p[0], probabilities(x, params)[0], atol=1e-9)
     assert bool((p[1, :100] == 0).all()) and torch.allclose(p[1, 100:], torch.full((200,), 1 / 200))
+
+
+@needs_kernels
+def test_fast_draw_is_samplings_draw() -> None:
+    q = fast_probabilities(torch.randn(1, 5000), SamplingParams(temperature=0.8))[0]
+    seeded = SamplingParams(temperature=0.8, seed=11)
+    assert [fast_draw(q, seeded, torch.Generator(), t) for t in range(50)] == [
+        draw(q, seeded, torch.Generator(), t) for t in range(50)
+    ]
+    a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    free = SamplingParams(temperature=0.8)
+    assert [fast_draw(q, free, a, t) for t in range(50)] == [draw(q, free, b, t) for t in range(50)]

@@ -23,8 +23,8 @@ from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback, Ste
 from specfork.drafters.meter import CostMeter
 from specfork.heads.fast import KernelHead
 from specfork.heads.model import DraftHead
+from specfork.kernels.sample_rows import fast_draw, fast_probabilities
 from specfork.models.target import TargetModel
-from specfork.sampling import draw, probabilities
 from specfork.tree import Tree
 
 
@@ -198,7 +198,7 @@ class HeadDrafter:
         (DSpark)."""
         qs = []
         for i in range(depth):
-            q = None if sampling.greedy else probabilities(self._to_target(logits)[0], sampling)
+            q = None if sampling.greedy else self._target_probs(logits, sampling)  # [V]
             if confidence is not None:
                 probs = q if q is not None else logits[0].softmax(-1)  # [V] or [Vd]
                 if not confidence.allows(probs):
@@ -207,7 +207,7 @@ class HeadDrafter:
                 node = self._add(grown, [node], logits, 1)[0]
             else:
                 qs.append(q)  # [V]
-                token = draw(q, sampling, rng, start + i)
+                token = fast_draw(q, sampling, rng, start + i)
                 score = (grown.score[node] if node >= 0 else 1.0) * float(q[token])
                 node = self._push(grown, node, token, score)
             if i + 1 < depth:
@@ -329,7 +329,7 @@ class HeadDrafter:
         """The head's distribution [V] over the target's vocabulary from draft logits [1, Vd]
         (after the request's sampling transforms when it samples)."""
         full = self._to_target(logits)[0]  # [V]
-        return full.softmax(-1) if sampling.greedy else probabilities(full, sampling)
+        return full.softmax(-1) if sampling.greedy else fast_probabilities(full, sampling)
 
     def _add(self, grown: _Grown, parents: list[int], logits: torch.Tensor, k: int) -> list[int]:
         """Each parent's k most likely children (draft logits [P, Vd]); the new nodes."""

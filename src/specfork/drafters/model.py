@@ -21,9 +21,10 @@ from specfork.drafters.base import (
     chain_draft,
 )
 from specfork.errors import ConfigError
+from specfork.kernels.sample_rows import fast_draw, fast_probabilities
 from specfork.kv_cache import KVCache
 from specfork.models.target import TargetModel
-from specfork.sampling import argmax, draw, probabilities
+from specfork.sampling import argmax
 from specfork.tree import Tree, TreeBuilder, path_to
 
 
@@ -117,7 +118,7 @@ class ModelDrafter:
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(budget):
-            q = None if sampling.greedy else probabilities(logits, sampling)  # [V]
+            q = None if sampling.greedy else fast_probabilities(logits, sampling)  # [V]
             if confidence is not None and not confidence.allows(
                 logits.float().softmax(-1) if q is None else q
             ):
@@ -126,7 +127,7 @@ class ModelDrafter:
                 tokens.append(int(argmax(logits)))
             else:
                 qs.append(q)
-                tokens.append(draw(q, sampling, rng, len(history) + i))
+                tokens.append(fast_draw(q, sampling, rng, len(history) + i))
             if i + 1 < budget:
                 logits = self.model.extend(tokens[-1:], self.cache, layers=self.layers)
                 forwards += 1

@@ -15,12 +15,14 @@ import torch
 
 from specfork.config import SamplingParams
 from specfork.kernels.logit_rows import kernels_for
-from specfork.sampling import probabilities, sample, sample_at
+from specfork.sampling import keyed_uniform, probabilities, sample, sample_at
 
 
 def fast_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """`sampling.probabilities` of logits [R, V]: on the kernels when only a temperature
+    """`sampling.probabilities` of logits [R, V] or [V]: on the kernels when only a temperature
     shapes the distribution (no top-k, top-p or min-p), else as `sampling` computes it."""
+    if logits.dim() == 1:
+        return fast_probabilities(logits[None], params)[0]
     plain = not params.greedy and not params.top_k and params.top_p >= 1.0 and params.min_p <= 0
     kernels = kernels_for(logits) if plain else None
     if kernels is None or logits.shape[-1] == 0:
@@ -54,3 +56,14 @@ def fast_sample_at(probs: torch.Tensor, u: float) -> int:
     if token < 0:
         raise ValueError("cannot sample from a row with no finite probability mass")
     return token
+
+
+def fast_draw(
+    q: torch.Tensor, params: SamplingParams, generator: torch.Generator, position: int
+) -> int:
+    """`sampling.draw` on the kernels: a drafter's token from q [V] at the request's keyed
+    uniform for `position` when it is seeded (the target's own draw there, `fast_sample_at`,
+    walks the same cumulative sums), else from `generator`."""
+    if params.seed is not None:
+        return fast_sample_at(q, keyed_uniform(params.seed, position))
+    return int(fast_sample(q, generator))
