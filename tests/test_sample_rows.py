@@ -97,16 +97,23 @@ def test_draws_follow_the_distribution_and_a_wrong_one_fails() -> None:
 
 
 @needs_kernels
-def test_other_settings_go_through_sampling_unchanged() -> None:
-    x = torch.randn(3, 300)
+def test_top_k_top_p_and_min_p_apply_around_the_kernels_softmax() -> None:
+    x = 2 * torch.randn(3, 3000, generator=torch.Generator().manual_seed(8))
     for params in (
         SamplingParams(temperature=0.7, top_p=0.9),
         SamplingParams(temperature=0.7, top_k=20),
-        SamplingParams(temperature=0.7, min_p=0.05),
-        SamplingParams(),  # greedy: the argmax's one-hot
+        SamplingParams(temperature=1.3, min_p=0.05),
+        SamplingParams(temperature=0.5, top_k=50, top_p=0.8, min_p=0.01),
     ):
-        assert torch.equal(fast_probabilities(x, params), probabilities(x, params))
-    params = SamplingParams(temperature=0.7)
+        got, want = fast_probabilities(x, params), probabilities(x, params)
+        assert torch.equal(got > 0, want > 0), params  # the same tokens kept
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-9), params
+
+
+def test_greedy_and_other_dtypes_go_through_sampling_unchanged() -> None:
+    x = torch.randn(3, 300)
+    assert torch.equal(fast_probabilities(x, SamplingParams()), probabilities(x, SamplingParams()))
+    params = SamplingParams(temperature=0.7, top_p=0.9)
     assert torch.equal(fast_probabilities(x.double(), params), probabilities(x.double(), params))
 
 

@@ -44,26 +44,42 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+#: softmax(logits / t) of rows [R, V] given 1 / t: the kernels' one call (`kernels.sample_rows`)
+Softmax = Callable[[torch.Tensor, float], torch.Tensor]
+
+
+def probabilities(
+    logits: torch.Tensor, params: SamplingParams, softmax: Softmax | None = None
+) -> torch.Tensor:
     """float32 probabilities [..., V] after temperature, top-k, top-p and min-p.
 
-    Greedy parameters give the one-hot distribution of the argmax.
+    Greedy parameters give the one-hot distribution of the argmax. `softmax` (rows [R, V])
+    replaces the temperature and softmax ops; top-k then masks the logits before it (the
+    same tokens: dividing by t keeps their order).
     """
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
-    logits = logits - logits.amax(-1, keepdim=True)  # <= 0: dividing by a tiny t cannot overflow
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [..., 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)  # [..., V]
+    if softmax is not None:
+        probs = softmax(_top_k(logits, params.top_k), 1.0 / params.temperature)  # [R, V]
+    else:
+        logits = logits - logits.amax(-1, keepdim=True)  # <= 0: a tiny t cannot overflow
+        probs = _top_k(logits / params.temperature, params.top_k).softmax(-1)  # [..., V]
     if params.top_p < 1.0:
         probs = _top_p(probs, params.top_p)
     if params.min_p > 0.0:
         keep = probs >= params.min_p * probs.amax(-1, keepdim=True)  # [..., V]
         probs = probs * keep
     return probs / probs.sum(-1, keepdim=True)
+
+
+def _top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """logits [..., V] with all but the `top_k` largest (and their ties) at −inf; unchanged
+    for 0 or a k of the whole vocabulary."""
+    if not top_k or top_k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(top_k, dim=-1).values[..., -1:]  # [..., 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
 
 
 TOP_P_CANDIDATES = (256, 4096)  # top-p looks among so many most likely tokens before sorting all

@@ -19,15 +19,17 @@ from specfork.sampling import keyed_uniform, probabilities, sample, sample_at
 
 
 def fast_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """`sampling.probabilities` of logits [R, V] or [V]: on the kernels when only a temperature
-    shapes the distribution (no top-k, top-p or min-p), else as `sampling` computes it."""
+    """`sampling.probabilities` of logits [R, V] or [V] with the kernels' softmax at the
+    temperature (top-k, top-p and min-p applied around it as `sampling` applies them; with none
+    of them the kernels' rows are the distribution), else as `sampling` computes it."""
     if logits.dim() == 1:
         return fast_probabilities(logits[None], params)[0]
-    plain = not params.greedy and not params.top_k and params.top_p >= 1.0 and params.min_p <= 0
-    kernels = kernels_for(logits) if plain else None
+    kernels = None if params.greedy else kernels_for(logits)
     if kernels is None or logits.shape[-1] == 0:
         return probabilities(logits, params)
-    return kernels.softmax_rows(logits, 1.0 / params.temperature)  # t >= 1e-5: not greedy
+    if not params.top_k and params.top_p >= 1.0 and params.min_p <= 0:
+        return kernels.softmax_rows(logits, 1.0 / params.temperature)  # t >= 1e-5: not greedy
+    return probabilities(logits, params, kernels.softmax_rows)
 
 
 def fast_sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
