@@ -12,11 +12,19 @@ from specfork.kernels import load_kernels
 from specfork.kernels import logit_rows as logit_rows_module
 from specfork.kernels.sample_rows import (
     fast_draw,
+    fast_next_token,
     fast_probabilities,
     fast_sample,
     fast_sample_at,
 )
-from specfork.sampling import draw, keyed_uniform, probabilities, sample, sample_at
+from specfork.sampling import (
+    draw,
+    keyed_uniform,
+    next_token,
+    probabilities,
+    sample,
+    sample_at,
+)
 
 K = load_kernels()
 needs_kernels = pytest.mark.skipif(K is None, reason="the kernels cannot be built here")
@@ -182,3 +190,16 @@ def test_fast_draw_is_samplings_draw() -> None:
     a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     free = SamplingParams(temperature=0.8)
     assert [fast_draw(q, free, a, t) for t in range(50)] == [draw(q, free, b, t) for t in range(50)]
+
+
+@needs_kernels
+def test_fast_next_token_is_samplings_next_token() -> None:
+    logits = 2 * torch.randn(3000, generator=torch.Generator().manual_seed(6))  # [V]
+    for params in (
+        SamplingParams(),
+        SamplingParams(temperature=0.9, seed=4),
+        SamplingParams(temperature=0.9, top_p=0.8),
+    ):
+        a, b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+        got = [fast_next_token(logits, params, a, t) for t in range(40)]
+        assert got == [next_token(logits, params, b, t) for t in range(40)], params

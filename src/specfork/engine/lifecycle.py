@@ -16,8 +16,8 @@ from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.request import Request
 from specfork.engine.round import constrained
 from specfork.engine.stats import GenerationStats
+from specfork.kernels.sample_rows import fast_next_token
 from specfork.models.base import Steps
-from specfork.sampling import next_token
 
 
 @dataclass
@@ -38,7 +38,7 @@ def first_tokens(req: Request, logits: torch.Tensor) -> list[int]:
     allowed = None if grammar is None else grammar.mask()  # [V]
     p_logits = req.target_logits(logits[None])[0]  # [V], penalised when the request asks
     chosen = p_logits if allowed is None else constrained(p_logits, allowed)
-    tokens = [next_token(chosen, req.sampling, req.rng, len(req.history))]
+    tokens = [fast_next_token(chosen, req.sampling, req.rng, len(req.history))]
     if grammar is not None:
         tokens = grammar.advance(tokens)
     req.note_logprobs(logits[None], [0], tokens)

@@ -15,7 +15,7 @@ import torch
 
 from specfork.config import SamplingParams
 from specfork.kernels.logit_rows import kernels_for
-from specfork.sampling import keyed_uniform, probabilities, sample, sample_at
+from specfork.sampling import keyed_uniform, next_token, probabilities, sample, sample_at
 
 
 def fast_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -69,3 +69,13 @@ def fast_draw(
     if params.seed is not None:
         return fast_sample_at(q, keyed_uniform(params.seed, position))
     return int(fast_sample(q, generator))
+
+
+def fast_next_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, position: int
+) -> int:
+    """`sampling.next_token` on the kernels: the argmax when greedy, else a draw from the
+    kernels' probabilities of logits [V] (at the keyed uniform of a seeded request)."""
+    if params.greedy:
+        return next_token(logits, params, generator, position)
+    return fast_draw(fast_probabilities(logits, params), params, generator, position)
