@@ -157,14 +157,15 @@ torch.save((p, tokens), sys.argv[1] + ".out")
 @pytest.mark.parametrize("isa", ["generic", "avx2"])
 def test_every_instruction_set_computes_the_same(tmp_path, isa: str) -> None:
     skip_unless_lower(K, isa)
-    x = 3 * torch.randn(5, 5003)
+    x = 3 * torch.randn(5, 5003, generator=torch.Generator().manual_seed(12))
     x[1, 10:4000] = -INF
     x[3, 4] = float("nan")
     p, tokens = run_under(isa, ISA_SCRIPT, x, tmp_path)
     ours = fast_probabilities(x, SamplingParams(temperature=0.6))
     assert torch.equal(p.isnan(), ours.isnan()) and bool((p[1, 10:4000] == 0).all())
     good = [0, 1, 2, 4]
-    assert torch.allclose(p[good], ours[good], rtol=1e-5, atol=1e-9)
+    # exp's last bits differ by ISA, and an exponent of −60 carries ~4e-6 of rounding
+    assert torch.allclose(p[good], ours[good], rtol=1e-4, atol=1e-9)
     assert torch.equal(tokens, fast_sample(ours[good], torch.Generator().manual_seed(4)))
 
 

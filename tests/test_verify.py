@@ -60,7 +60,7 @@ from distribution import (
     unclamped_residual,
 )
 from specfork.config import SamplingParams
-from specfork.sampling import make_generator, probabilities
+from specfork.sampling import make_generator, probabilities, sample
 from specfork.verify import Verdict, one_hot_q, verify_greedy, verify_sampling
 
 ALPHA = 1e-3  # chi-square p-value below which a distribution test fails
@@ -128,6 +128,17 @@ def test_verify_sampling_empty_draft_emits_one_token_from_p():
     q = torch.empty(0, 6)
     verdict = verify_sampling(torch.empty(0, dtype=torch.long), p, q, torch.Generator())
     assert verdict == Verdict(path=list(range(0)), tokens=[4])
+
+
+def test_an_empty_draft_draws_what_sample_draws_from_the_same_stream():
+    """Plain decoding's round: one draw from p[0], the generator left where `sample` leaves it
+    (no uniform for the empty draft)."""
+    p = torch.rand(1, 500, generator=torch.Generator().manual_seed(1))
+    a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    empty = torch.empty(0, dtype=torch.long)
+    got = [verify_sampling(empty, p, None, a).tokens[0] for _ in range(50)]
+    assert got == [int(sample(p[0], b)) for _ in range(50)]
+    assert torch.equal(a.get_state(), b.get_state())
 
 
 def test_verify_sampling_is_reproducible_with_a_seed():

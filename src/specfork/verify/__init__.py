@@ -68,6 +68,8 @@ def verify_sampling(
     `sampler` draws the emitted token (`sampling.sample`, or the kernels' equal).
     """
     k = draft.shape[0]
+    if k == 0:  # plain decoding's round: no uniform is drawn for an empty draft either way
+        return Verdict([], [int(sampler(p[0], generator))])
     idx = torch.arange(k, device=draft.device)
     p_x = p[idx, draft]  # [K] target probability of each drafted token
     u = torch.rand(k, generator=generator, device=p.device)  # [K]
