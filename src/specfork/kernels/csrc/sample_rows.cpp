@@ -1,7 +1,7 @@
 // Temperature sampling from rows of logits (sample_rows.h).
 //
-// The draw sums the row in blocks of kBlock entries (float64, vector lanes), finds the block
-// where the cumulative mass passes u · total, then walks that block one entry at a time: two
+// The draw sums the row in blocks of kBlock entries (float64, four independent sums), finds the
+// block where the cumulative mass passes u · total, then walks that block one entry at a time: two
 // reads of the row where a sequential float64 cumsum of 49,152 entries is a dependency chain of
 // as many additions.
 #include "sample_rows.h"
@@ -27,21 +27,36 @@ void fill_nan(float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = std::numeric_limits<float>::quiet_NaN();
 }
 
-void softmax_generic(const float* x, int64_t n, float inv_t, float* out) {
-  float m = -kInf;
-  bool nan = false;
-  for (int64_t i = 0; i < n; ++i) {
+// The scalar passes over x[i, n) (a vector body's tail, or the whole row): the max and whether
+// a NaN was seen; exp((x − m) · inv_t) into out (−inf: exactly 0), returning `sum` plus theirs
+// (added in order); out times scale.
+void max_from(const float* x, int64_t i, int64_t n, float& m, bool& nan) {
+  for (; i < n; ++i) {
     nan |= x[i] != x[i];
     m = x[i] > m ? x[i] : m;
   }
-  if (!softmax_defined(m, nan)) return fill_nan(out, n);
-  float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
+}
+
+float exp_from(const float* x, int64_t i, int64_t n, float m, float inv_t, float* out,
+               float sum) {
+  for (; i < n; ++i) {
     out[i] = x[i] == -kInf ? 0.f : std::exp((x[i] - m) * inv_t);
     sum += out[i];
   }
-  const float scale = 1.f / sum;
-  for (int64_t i = 0; i < n; ++i) out[i] *= scale;
+  return sum;
+}
+
+void scale_from(float* out, int64_t i, int64_t n, float scale) {
+  for (; i < n; ++i) out[i] *= scale;
+}
+
+void softmax_generic(const float* x, int64_t n, float inv_t, float* out) {
+  float m = -kInf;
+  bool nan = false;
+  max_from(x, 0, n, m, nan);
+  if (!softmax_defined(m, nan)) return fill_nan(out, n);
+  const float sum = exp_from(x, 0, n, m, inv_t, out, 0.f);
+  scale_from(out, 0, n, 1.f / sum);
 }
 
 #if SF_X86
@@ -56,10 +71,7 @@ SF_AVX512 void softmax_avx512(const float* x, int64_t n, float inv_t, float* out
   }
   float m = _mm512_reduce_max_ps(mv);
   bool any_nan = nan != 0;
-  for (int64_t i = body; i < n; ++i) {
-    any_nan |= x[i] != x[i];
-    m = x[i] > m ? x[i] : m;
-  }
+  max_from(x, body, n, m, any_nan);
   if (!softmax_defined(m, any_nan)) return fill_nan(out, n);
   const __m512 mm = _mm512_set1_ps(m), it = _mm512_set1_ps(inv_t), ninf = _mm512_set1_ps(-kInf);
   __m512 acc = _mm512_setzero_ps();
@@ -70,15 +82,11 @@ SF_AVX512 void softmax_avx512(const float* x, int64_t n, float inv_t, float* out
     _mm512_storeu_ps(out + i, e);
     acc = _mm512_add_ps(acc, e);
   }
-  float sum = _mm512_reduce_add_ps(acc);
-  for (int64_t i = body; i < n; ++i) {
-    out[i] = x[i] == -kInf ? 0.f : std::exp((x[i] - m) * inv_t);
-    sum += out[i];
-  }
+  const float sum = exp_from(x, body, n, m, inv_t, out, _mm512_reduce_add_ps(acc));
   const __m512 scale = _mm512_set1_ps(1.f / sum);
   for (int64_t i = 0; i < body; i += 16)
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(out + i), scale));
-  for (int64_t i = body; i < n; ++i) out[i] *= 1.f / sum;
+  scale_from(out, body, n, 1.f / sum);
 }
 
 SF_AVX2 void softmax_avx2(const float* x, int64_t n, float inv_t, float* out) {
@@ -92,10 +100,7 @@ SF_AVX2 void softmax_avx2(const float* x, int64_t n, float inv_t, float* out) {
   }
   float m = hmax256(mv);
   bool any_nan = nan != 0;
-  for (int64_t i = body; i < n; ++i) {
-    any_nan |= x[i] != x[i];
-    m = x[i] > m ? x[i] : m;
-  }
+  max_from(x, body, n, m, any_nan);
   if (!softmax_defined(m, any_nan)) return fill_nan(out, n);
   const __m256 mm = _mm256_set1_ps(m), it = _mm256_set1_ps(inv_t), ninf = _mm256_set1_ps(-kInf);
   __m256 acc = _mm256_setzero_ps();
@@ -106,15 +111,11 @@ SF_AVX2 void softmax_avx2(const float* x, int64_t n, float inv_t, float* out) {
     _mm256_storeu_ps(out + i, e);
     acc = _mm256_add_ps(acc, e);
   }
-  float sum = hsum256(acc);
-  for (int64_t i = body; i < n; ++i) {
-    out[i] = x[i] == -kInf ? 0.f : std::exp((x[i] - m) * inv_t);
-    sum += out[i];
-  }
+  const float sum = exp_from(x, body, n, m, inv_t, out, hsum256(acc));
   const __m256 scale = _mm256_set1_ps(1.f / sum);
   for (int64_t i = 0; i < body; i += 8)
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(out + i), scale));
-  for (int64_t i = body; i < n; ++i) out[i] *= 1.f / sum;
+  scale_from(out, body, n, 1.f / sum);
 }
 #endif
 
