@@ -76,10 +76,11 @@ def test_a_rows_logits_do_not_depend_on_the_row_count(loaded: LoadedModel) -> No
 
 @pytest.mark.parametrize("dtype", ["gguf", "bfloat16", "float32"])
 def test_rows_read_the_cache_in_place_or_copied_alike(dtype: str) -> None:
-    """Few rows read a chunk of their cache in place (fp16, bf16 or fp32 keys; up to six rows
-    of a group of three on AVX-512, two on AVX2), more rows read a float copy of it: after a
-    300-token context (chunks of 128 slots, the last partial block of 16 keys in each) the
-    logits are bitwise the same either way."""
+    """Rows read a contiguous chunk of their cache in place (fp16, bf16 or fp32 keys; any
+    number of rows on AVX-512, up to two rows of a group of three on AVX2) or through a float
+    copy of it (more rows on AVX2, a tree's scattered slots everywhere): after a 300-token
+    context (chunks of 128 slots, the last partial block of 16 keys in each) the logits are
+    bitwise the same either way."""
     model = load_model("smollm2-135m-instruct", dtype=dtype, kernels=True, progress=False).model
     ids = [(7 * i) % 40000 + 100 for i in range(300)]
     chain = list(range(1000, 1008))

@@ -181,12 +181,21 @@ SF_AVX512 inline __m512 dots16(const float* q, const void* K, int64_t j0) {
   return sum16(p);
 }
 
+// The most vectors of dimensions, at most `most`, that divide `vecs`: a pass's accumulators
+// (a head of 10 vectors runs in two passes of 5, not in passes of 8 that would run past it).
+constexpr int dims_group(int vecs, int most) {
+  for (int g = most; g > 1; --g)
+    if (vecs % g == 0) return g;
+  return 1;
+}
+
 // acc [2, D] += weights e[j] times values V[j - j0] for keys j0 <= j < end (V: key j0's row):
 // even ranks into acc[0], odd ranks into acc[1], at most 8 vectors of dimensions per pass.
 // Called on consecutive even-aligned ranges, it forms the very sums of one pass over all keys.
 template <int VECS, CacheType T>
 SF_AVX512 inline void weigh_keys(const float* e, const void* V, int64_t j0, int64_t end, float* acc) {
-  constexpr int64_t D = 16 * VECS, G = VECS < 8 ? VECS : 8;
+  constexpr int64_t D = 16 * VECS;
+  constexpr int G = dims_group(VECS, 8);
   for (int c0 = 0; c0 < VECS; c0 += G) {
     __m512 even[G], odd[G];
     for (int c = 0; c < G; ++c) {
@@ -214,6 +223,43 @@ SF_AVX512 inline void weigh_keys(const float* e, const void* V, int64_t j0, int6
   }
 }
 
+// weigh_keys for two queries over the same keys j0 .. end (end - j0 even), each value vector
+// read once for both: the very sums of each query's own weigh_keys.
+template <int VECS>
+SF_AVX512 inline void weigh_keys2(const float* e0, const float* e1, const float* V, int64_t j0,
+                                  int64_t end, float* acc0, float* acc1) {
+  constexpr int64_t D = 16 * VECS;
+  constexpr int G = dims_group(VECS, 5);
+  for (int c0 = 0; c0 < VECS; c0 += G) {
+    __m512 even0[G], odd0[G], even1[G], odd1[G];
+    for (int c = 0; c < G; ++c) {
+      even0[c] = _mm512_loadu_ps(acc0 + 16 * (c0 + c));
+      odd0[c] = _mm512_loadu_ps(acc0 + D + 16 * (c0 + c));
+      even1[c] = _mm512_loadu_ps(acc1 + 16 * (c0 + c));
+      odd1[c] = _mm512_loadu_ps(acc1 + D + 16 * (c0 + c));
+    }
+    for (int64_t j = j0; j < end; j += 2) {
+      const __m512 a0 = _mm512_set1_ps(e0[j]), a1 = _mm512_set1_ps(e0[j + 1]);
+      const __m512 b0 = _mm512_set1_ps(e1[j]), b1 = _mm512_set1_ps(e1[j + 1]);
+      const float* v = V + (j - j0) * D + 16 * c0;
+      for (int c = 0; c < G; ++c) {
+        __m512 x = _mm512_loadu_ps(v + 16 * c), y = _mm512_loadu_ps(v + D + 16 * c);
+        __asm__("" : "+v"(x), "+v"(y));  // one load each for both queries
+        even0[c] = _mm512_fmadd_ps(a0, x, even0[c]);
+        odd0[c] = _mm512_fmadd_ps(a1, y, odd0[c]);
+        even1[c] = _mm512_fmadd_ps(b0, x, even1[c]);
+        odd1[c] = _mm512_fmadd_ps(b1, y, odd1[c]);
+      }
+    }
+    for (int c = 0; c < G; ++c) {
+      _mm512_storeu_ps(acc0 + 16 * (c0 + c), even0[c]);
+      _mm512_storeu_ps(acc0 + D + 16 * (c0 + c), odd0[c]);
+      _mm512_storeu_ps(acc1 + 16 * (c0 + c), even1[c]);
+      _mm512_storeu_ps(acc1 + D + 16 * (c0 + c), odd1[c]);
+    }
+  }
+}
+
 // Keys (or values) j0 .. j0 + n - 1 of a chunk stored as T, as float [n, D] in `out`: exact
 // conversions, so what is computed from them is what reading them as T gives.
 template <int VECS, CacheType T>
@@ -229,17 +275,144 @@ SF_AVX512 inline const float* as_float(const void* X, int64_t j0, int64_t n, flo
   }
 }
 
+// r[c] lane i = r[i] lane c (16 x 16 lanes of 32 bits), in place.
+SF_AVX512 inline void transpose16x16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows, lane pairs interleaved
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // quads of rows, 64-bit pairs interleaved
+    for (int k = 0; k < 2; ++k) {
+      const __m512d a = _mm512_castps_pd(t[i + k]), b = _mm512_castps_pd(t[i + k + 2]);
+      r[i + 2 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[i + 2 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  }
+  for (int i = 0; i < 16; i += 8)  // 128-bit quarters of quads 0-1 and 2-3 of each 8 rows
+    for (int k = 0; k < 4; ++k) {
+      t[i + k] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0x88);
+      t[i + k + 4] = _mm512_shuffle_f32x4(r[i + k], r[i + k + 4], 0xdd);
+    }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88);
+    r[k + 8] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0xdd);
+  }
+}
+
+// out[c * ldo + r] = in[r * ld + c] for a 16 x 16 tile of floats.
+SF_AVX512 inline void transpose16(const float* in, int64_t ld, float* out, int64_t ldo) {
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * ld);
+  transpose16x16(r);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + i * ldo, r[i]);
+}
+
+// 16 keys x 32 dimensions stored as bf16 (key i at in + i * ld) transposed into floats:
+// out[d * ldo + i] = key i's dimension d. The 32-bit lanes (two dimensions each) are transposed,
+// then split: a bf16 is the top half of its float (the conversion load16 makes).
+SF_AVX512 inline void transpose_bf16(const uint16_t* in, int64_t ld, float* out, int64_t ldo) {
+  __m512 r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(in + i * ld));
+  transpose16x16(r);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int c = 0; c < 16; ++c) {
+    const __m512i pair = _mm512_castps_si512(r[c]);  // lane i: key i's dimensions 2c, 2c + 1
+    _mm512_storeu_ps(out + 2 * c * ldo, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+    _mm512_storeu_ps(out + (2 * c + 1) * ldo, _mm512_castsi512_ps(_mm512_and_si512(pair, high)));
+  }
+}
+
+// kt [D, W] = the first W keys of a chunk, transposed (key j in column j): keys below `whole`
+// from K (type T), the next 16 from `tail` (float [16, D], zero-padded), the rest zeros. W is
+// a multiple of 16.
+template <int VECS, CacheType T>
+SF_AVX512 inline void transpose_keys(const void* K, const float* tail, int64_t whole, int64_t most,
+                                     int64_t W, float* block, float* kt) {
+  constexpr int64_t D = 16 * VECS;
+  for (int64_t j = 0; j < W; j += 16) {
+    if (j >= most) {
+      for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(kt + d * W + j, _mm512_setzero_ps());
+      continue;
+    }
+    if constexpr (T == CacheType::BF16 && VECS % 2 == 0) {
+      if (j < whole) {  // straight from the cache's bf16, converted as transposed
+        const uint16_t* keys = static_cast<const uint16_t*>(K) + j * D;
+        for (int c = 0; c < VECS; c += 2) transpose_bf16(keys + 16 * c, D, kt + 16 * c * W + j, W);
+        continue;
+      }
+    }
+    const float* keys = j < whole ? as_float<VECS, T>(K, j, 16, block) : tail;  // [16, D]
+    for (int c = 0; c < VECS; ++c) transpose16(keys + 16 * c, D, kt + 16 * c * W + j, W);
+  }
+}
+
+// Scores of NQ queries against keys j .. j + 16 NB of kt [D, W]: for each (query, key), one
+// fused multiply-add per dimension in dimension order from zero — the very steps of
+// `chunk_generic`, so a score does not depend on the kernel, on the other queries, nor on the
+// keys beside it — times the scale, stored to e (lanes past a query's keys left alone).
+template <int VECS, int NQ, int NB>
+SF_AVX512 inline void scores_t(const Query* qs, const float* kt, int64_t W, int64_t j, float scale,
+                               float* e) {
+  constexpr int64_t D = 16 * VECS;
+  __m512 acc[NQ][NB];
+  for (int i = 0; i < NQ; ++i)
+    for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 k[NB];
+    for (int b = 0; b < NB; ++b) {
+      k[b] = _mm512_loadu_ps(kt + d * W + j + 16 * b);
+      __asm__("" : "+v"(k[b]));  // kept in a register: folded into each FMA, loads bound the loop
+    }
+    for (int i = 0; i < NQ; ++i) {
+      const __m512 x = _mm512_set1_ps(qs[i].q[d]);
+      for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_fmadd_ps(x, k[b], acc[i][b]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int i = 0; i < NQ; ++i)
+    for (int b = 0; b < NB; ++b) {
+      const int64_t at = j + 16 * b, left = qs[i].n - at;
+      if (left <= 0) continue;
+      const __mmask16 lanes = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1u);
+      _mm512_mask_storeu_ps(e + i * kChunk + at, lanes, _mm512_mul_ps(acc[i][b], sc));
+    }
+}
+
+// The scores of every query of a chunk (e: [count, kChunk]) from its transposed keys kt [D, W]:
+// three queries and 64 keys at a time (twelve independent sums in flight).
+template <int VECS, int NB>
+SF_AVX512 void scores_span(const Query* qs, int64_t count, const float* kt, int64_t W, int64_t j,
+                           float scale, float* e) {
+  int64_t i = 0;
+  for (; i + 3 <= count; i += 3) scores_t<VECS, 3, NB>(qs + i, kt, W, j, scale, e + i * kChunk);
+  for (; i < count; ++i) scores_t<VECS, 1, NB>(qs + i, kt, W, j, scale, e + i * kChunk);
+}
+
+template <int VECS>
+SF_AVX512 void scores_all(const Query* qs, int64_t count, const float* kt, int64_t W, float scale,
+                          float* e) {
+  int64_t j = 0;
+  for (; j + 64 <= W; j += 64) scores_span<VECS, 4>(qs, count, kt, W, j, scale, e);
+  if (j + 32 <= W) {
+    scores_span<VECS, 2>(qs, count, kt, W, j, scale, e);
+    j += 32;
+  }
+  if (j < W) scores_span<VECS, 1>(qs, count, kt, W, j, scale, e);
+}
+
 // The queries of one chunk (rows and heads sharing its keys and values). K and V are the
 // chunk's keys and values [n, D] of type T: float scratch (gathered) or, for a contiguous run
 // of slots, the cache itself, read in place; `tail` ([16, D] float, or null) then holds the
 // last partial block of 16 keys, zero-padded, so that no read runs past the run. Each query's
 // steps are those of one pass over its keys — scores, max, exponentials and their sum,
-// weighted values in even and odd ranks — but the loops run keys-outer, 16 keys for every
-// query and then the next 16 (32 for the values), so a block of keys is read from L1 by all
-// queries instead of from L2 by each. Keys and values stored in 16 bits are converted to float
-// once a block, for all queries (`block`: [32, D] float scratch), not once a query. The bits do
-// not depend on where the keys were read, nor on how many queries read them.
-// e: [count, kChunk] scratch; acc: [count, 2, D] scratch.
+// weighted values in even and odd ranks. The keys are converted to float and transposed once
+// for all queries (kt [D, up to kChunk] at the end of `block`), so that a score is a run of
+// multiply-adds with keys in lanes and no sum across lanes; values run keys-outer, 32 keys for
+// every query and then the next 32, so a block of values is read from L1 by all queries
+// instead of from L2 by each, converted once a block for all of them (`block`: [32, D] float
+// scratch). The bits do not depend on where the keys were read, nor on how many queries read
+// them. e: [count, kChunk] scratch; acc: [count, 2, D] scratch.
 template <int VECS, CacheType T>
 SF_AVX512 void queries_avx512(const Query* qs, int64_t count, const void* K, const void* V,
                               const float* tail, float scale, float* e, float* acc, float* block) {
@@ -247,17 +420,16 @@ SF_AVX512 void queries_avx512(const Query* qs, int64_t count, const void* K, con
   int64_t most = 0;
   for (int64_t i = 0; i < count; ++i) most = std::max(most, qs[i].n);
   const int64_t whole = tail ? most / 16 * 16 : most;  // keys read from K (the rest from tail)
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t j = 0; j < most; j += 16) {
-    const float* keys = j < whole ? as_float<VECS, T>(K, j, 16, block) : tail;  // [16, D]
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t n = qs[i].n;
-      if (j >= n) continue;
-      const __mmask16 lanes = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1u);
-      const __m512 dots = dots16<VECS, CacheType::F32>(qs[i].q, keys, 0);
-      _mm512_mask_storeu_ps(e + i * kChunk + j, lanes, _mm512_mul_ps(dots, sc));
-    }
+  const int64_t W = (most + 15) / 16 * 16;
+  float* kt = block + 32 * D;  // [D, W]
+  {  // ask for the chunk's keys and values at once, so that they arrive while earlier ones are used
+    const size_t bytes = (T == CacheType::F32 ? sizeof(float) : sizeof(uint16_t)) * D * whole;
+    const char *k = static_cast<const char*>(K), *v = static_cast<const char*>(V);
+    for (size_t at = 0; at < bytes; at += 64) _mm_prefetch(k + at, _MM_HINT_T0);
+    for (size_t at = 0; at < bytes; at += 64) _mm_prefetch(v + at, _MM_HINT_T1);
   }
+  transpose_keys<VECS, T>(K, tail, whole, most, W, block, kt);
+  scores_all<VECS>(qs, count, kt, W, scale, e);
   for (int64_t i = 0; i < count; ++i) {  // max (exact in any order), exponentials, their sum
     const int64_t n = qs[i].n;
     float* ei = e + i * kChunk;
@@ -281,9 +453,19 @@ SF_AVX512 void queries_avx512(const Query* qs, int64_t count, const void* K, con
   std::fill(acc, acc + count * 2 * D, 0.f);
   for (int64_t j = 0; j < most; j += 32) {
     const float* values = as_float<VECS, T>(V, j, std::min<int64_t>(32, most - j), block);  // [32, D]
-    for (int64_t i = 0; i < count; ++i)
-      if (j < qs[i].n)
-        weigh_keys<VECS, CacheType::F32>(e + i * kChunk, values, j, std::min(j + 32, qs[i].n), acc + i * 2 * D);
+    int64_t i = 0;
+    for (; i + 2 <= count; i += 2) {  // pairs of queries over the keys both see (an even count)
+      const int64_t end0 = std::min(j + 32, qs[i].n), end1 = std::min(j + 32, qs[i + 1].n);
+      const int64_t both = std::max(j, std::min(end0, end1) / 2 * 2);
+      float* acc0 = acc + i * 2 * D;
+      float* acc1 = acc0 + 2 * D;
+      if (both > j) weigh_keys2<VECS>(e + i * kChunk, e + (i + 1) * kChunk, values, j, both, acc0, acc1);
+      const float* rest = values + (both - j) * D;
+      if (end0 > both) weigh_keys<VECS, CacheType::F32>(e + i * kChunk, rest, both, end0, acc0);
+      if (end1 > both) weigh_keys<VECS, CacheType::F32>(e + (i + 1) * kChunk, rest, both, end1, acc1);
+    }
+    if (i < count && j < qs[i].n)
+      weigh_keys<VECS, CacheType::F32>(e + i * kChunk, values, j, std::min(j + 32, qs[i].n), acc + i * 2 * D);
   }
   for (int64_t i = 0; i < count; ++i)
     for (int64_t c = 0; c < VECS; ++c)
@@ -558,11 +740,12 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
     int32_t part, task, g, row0, rows, n;  // n: the slots its rows read (their longest chunk)
   };
   constexpr int32_t kRowBlock = 8;
-  // items of at most this many queries read a contiguous chunk in place; with more, writing a
-  // float copy once and reading it per query wins. On AVX2 each query converts the keys it
-  // reads (one or two rows of a GQA group pay); the AVX-512 kernel converts a block of keys
-  // once for all queries (up to six rows of a group of three pay, measured at 1-4k slots).
-  constexpr int64_t kInPlaceQueries = 8, kInPlaceQueries512 = 18;
+  // On AVX2, items of at most this many queries read a contiguous chunk in place; with more,
+  // writing a float copy once and reading it per query wins (each query converts the keys it
+  // reads). The AVX-512 kernel converts a block of keys and values once for all queries, and
+  // reads a contiguous chunk in place whatever the count (8 rows of a group of three: 10% faster
+  // than through a float copy at 2k slots).
+  constexpr int64_t kInPlaceQueries = 8;
   std::vector<Item> items;
   for (size_t p = 0; p < parts.size(); ++p) {
     const AttnPlan& plan = *parts[p].plan;
@@ -588,7 +771,7 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
       [&] {
         const auto floats = [](int64_t n) { return std::unique_ptr<float[]>(new float[n]); };
         return Scratch{floats(kChunk * D), floats(kChunk * D), floats(most * kChunk + 16),
-                       floats(most * 2 * D), floats(32 * D), {}};
+                       floats(most * 2 * D), floats(32 * D + D * kChunk), {}};
       },
       [&](int64_t i, Scratch& w) {
         const Item& it = items[i];
@@ -607,7 +790,7 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
         const int64_t count = static_cast<int64_t>(w.queries.size());
         const int64_t head_base = it.g * kv.slots * D;
         const bool run = slots[it.n - 1] - slots[0] == it.n - 1;  // contiguous slots
-        const bool in_place = run && count <= (many ? kInPlaceQueries512 : kInPlaceQueries);
+        const bool in_place = run && (many != nullptr || count <= kInPlaceQueries);
         if (many && in_place) {
           // a contiguous run: read the cache in place (converting a block of keys once for all
           // queries costs less than writing and re-reading a float copy of the chunk)

@@ -42,6 +42,13 @@ struct Layer {
   bool sliding = false;
 };
 
+CacheType cache_type(const torch::Tensor& t) {
+  if (t.dtype() == torch::kFloat32) return CacheType::F32;
+  if (t.dtype() == torch::kFloat16) return CacheType::F16;
+  if (t.dtype() == torch::kBFloat16) return CacheType::BF16;
+  throw std::invalid_argument("the KV cache must be float32, float16 or bfloat16");
+}
+
 }  // namespace
 
 class FastModel {
@@ -269,13 +276,6 @@ class FastModel {
     return out;
   }
 
-  static CacheType cache_type(const torch::Tensor& t) {
-    if (t.dtype() == torch::kFloat32) return CacheType::F32;
-    if (t.dtype() == torch::kFloat16) return CacheType::F16;
-    if (t.dtype() == torch::kBFloat16) return CacheType::BF16;
-    throw std::invalid_argument("the KV cache must be float32, float16 or bfloat16");
-  }
-
   void embed(const int64_t* tok, int64_t T, float* h) const {
     for (int64_t r = 0; r < T; ++r) {
       check(tok[r] >= 0 && tok[r] < embed_->w.n, "token id out of range");
@@ -410,6 +410,39 @@ torch::Tensor packed_linear(const PackedPtr& w, torch::Tensor x) {
   return y;
 }
 
+// out [R, H, D] = softmax(q k^T * scale) v per row and head, row r seeing the cache slots
+// idx[off[r] .. off[r + 1]) (ascending) of k, v [H_kv, S, D] (float32, float16 or bfloat16): the
+// attention a forward runs, for tests and benchmarks. q [R, H, D] float32.
+torch::Tensor attention_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor idx,
+                             torch::Tensor off, double scale) {
+  check(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes() && k.dtype() == v.dtype(),
+        "q must be [R, H, D] and k, v alike [H_kv, S, D]");
+  check(q.size(2) == k.size(2) && q.size(1) % k.size(0) == 0, "q and k, v shapes do not agree");
+  const int64_t R = q.size(0);
+  check(off.numel() == R + 1, "off must hold R + 1 offsets");
+  auto qc = q.to(torch::kFloat32).contiguous();
+  auto kc = k.contiguous(), vc = v.contiguous();
+  auto ic = idx.to(torch::kInt32).contiguous();
+  auto oc = off.to(torch::kInt64).contiguous();
+  Visible vis;
+  vis.idx.assign(ic.data_ptr<int32_t>(), ic.data_ptr<int32_t>() + ic.numel());
+  vis.off.assign(oc.data_ptr<int64_t>(), oc.data_ptr<int64_t>() + oc.numel());
+  check(vis.off.front() == 0 && vis.off.back() == static_cast<int64_t>(vis.idx.size()),
+        "off must run from 0 to the number of slots in idx");
+  for (int64_t r = 0; r < R; ++r) {
+    check(vis.off[r + 1] > vis.off[r], "every row must see at least one slot");
+    for (int64_t i = vis.off[r]; i < vis.off[r + 1]; ++i)
+      check(vis.idx[i] >= 0 && vis.idx[i] < k.size(1) && (i == vis.off[r] || vis.idx[i] > vis.idx[i - 1]),
+            "each row's slots must be ascending cache slots");
+  }
+  const AttnPlan plan = plan_attention(std::move(vis), R);
+  const KVView kv{kc.data_ptr(), vc.data_ptr(), cache_type(kc), k.size(1)};
+  torch::Tensor out = torch::empty(q.sizes(), torch::kFloat32);
+  const AttnShape shape{R, q.size(1), k.size(0), q.size(2), static_cast<float>(scale)};
+  attention(qc.data_ptr<float>(), q.size(1) * q.size(2), kv, plan, shape, out.data_ptr<float>());
+  return out;
+}
+
 torch::Tensor unpack(const PackedPtr& w) {
   torch::Tensor out = torch::empty({w->w.n, w->w.k}, torch::kFloat32);
   for (int64_t r = 0; r < w->w.n; ++r) unpack_row(w->w, r, out.data_ptr<float>() + r * w->w.k);
@@ -442,6 +475,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   sf::bind_head(m);
   m.def("packed_linear", &sf::packed_linear, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
   m.def("unpack", &sf::unpack);
+  m.def("attention_rows", &sf::attention_rows, py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
   m.def("top_k_ids", &sf::top_k_ids, py::arg("x"), py::arg("k"),
         py::call_guard<py::gil_scoped_release, sf::FlushDenormals>());
   m.def("put_top_k_ids", &sf::put_top_k_ids, py::arg("table"), py::arg("tokens"), py::arg("x"),
