@@ -4,9 +4,11 @@ For SmolLM2-135M-Instruct (the packaged GGUF) on specfork's kernels at the GGUF'
 (Q4_1/Q8_0) and in bf16, on the eager PyTorch path in bf16, and for a random-weight Llama of
 about 1.1B parameters (hidden 2048, 16 layers, 32/8 heads, FFN 8192, vocab 32000: the regime
 of bigger targets) on the kernels with Q4 and bf16 weights. Rows 1-32 after a 256-token
-context, medians; a markdown table of milliseconds and of the ratio to one row.
+context (or each of `--contexts`: attention makes rows dearer with the context), medians; a
+markdown table of milliseconds and of the ratio to one row.
 
-    python benchmarks/cost_curve.py [--repeats 9] [--skip-1b]
+    python benchmarks/cost_curve.py [--repeats 9] [--skip-1b] [--gguf-only]
+        [--contexts 256 1024 2048 4096]
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--skip-1b", action="store_true")
+    ap.add_argument("--gguf-only", action="store_true", help="only SmolLM2 at its GGUF precision")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[CONTEXT])
     args = ap.parse_args()
     kernels = load_kernels()
     models = {
@@ -90,16 +94,19 @@ def main() -> None:
         "SmolLM2-135M, eager PyTorch, bf16": lambda: load_model(
             "smollm2-135m-instruct", dtype="bfloat16", kernels=False, progress=False).model,
     }  # fmt: skip
-    if not args.skip_1b and kernels is not None:
+    if args.gguf_only:
+        models = dict(list(models.items())[:1])
+    elif not args.skip_1b and kernels is not None:
         models["random Llama 1.1B, kernels, Q4_0/Q8_0"] = lambda: random_llama(kernels, Kind.Q4)
         models["random Llama 1.1B, kernels, bf16"] = lambda: random_llama(kernels, Kind.BF16)
-    print("| model | " + " | ".join(f"{r} rows" for r in ROWS) + " |")
-    print("|---|" + "---|" * len(ROWS))
+    print("| model | context | " + " | ".join(f"{r} rows" for r in ROWS) + " |")
+    print("|---|---|" + "---|" * len(ROWS))
     for name, make in models.items():
         model = make()
-        ms = forward_ms(model, CONTEXT, args.repeats)
-        cells = " | ".join(f"{ms[r]:.1f} ms ({ms[r] / ms[1]:.2f}×)" for r in ROWS)
-        print(f"| {name} | {cells} |", flush=True)
+        for context in args.contexts:
+            ms = forward_ms(model, context, args.repeats)
+            cells = " | ".join(f"{ms[r]:.1f} ms ({ms[r] / ms[1]:.2f}×)" for r in ROWS)
+            print(f"| {name} | {context} | {cells} |", flush=True)
         del model
 
 

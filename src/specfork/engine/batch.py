@@ -35,6 +35,7 @@ from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback, newest_rows
 from specfork.engine.lifecycle import GenerationResult, first_tokens, result, stopped, take
 from specfork.engine.logprobs import TokenLogprob
+from specfork.engine.overhead import host_seconds
 from specfork.engine.payback import Payback, PlainClock
 from specfork.engine.prefix import PrefixCache
 from specfork.engine.request import Request
@@ -353,6 +354,10 @@ class Scheduler:
         if running.payback is None and spec.drafts and spec.goodput and spec.payback:
             running.payback = Payback(clock)
         drafted = len(planned.draft) > 0
+        overhead = self.generator.verify_overhead(spec) if spec.drafts and spec.goodput else None
+        if overhead is not None:
+            host = host_seconds(work.phases[id(running)], running.req.stats.phase_seconds)
+            overhead.add(drafted, host, work.forward_seconds, planned.start)
         if running.payback is not None:
             running.payback.observe(drafted, len(emitted), planned.start, seconds)
         elif not drafted:
@@ -367,10 +372,11 @@ class Scheduler:
         prefill = self._prompt_rows(budget)  # sunk: the chunks run whatever is drafted
         floor = self._least_value(decoding, budget, prefill)
         proposals = {}
+        price = self._price(decoding, prefill)
         for running in decoding:
             work.phases[id(running)] = dict(running.req.stats.phase_seconds)
             try:
-                proposals[id(running)] = self._propose(running, floor)
+                proposals[id(running)] = self._propose(running, floor, price)
             except Exception as exc:  # this request's own failure
                 self._fail(running, exc)
         decoding = self._decoding()
@@ -417,8 +423,18 @@ class Scheduler:
         mean = sum(r.req.cache.length for r in decoding) // max(1, len(decoding))
         return self.generator.pricing().at(mean)
 
+    def _price(self, decoding: list[Running], prefill: int) -> float:
+        """What a lone request's round adds in host work when it verifies a draft, in one-row
+        forwards at its context (`engine.overhead`); 0 in a batch, whose allocation prices
+        the rows of all requests together."""
+        if len(decoding) != 1 or prefill:
+            return 0.0
+        req = decoding[0].req
+        overhead = self.generator.verify_overhead(req.spec) if req.spec.drafts else None
+        return overhead.price(req.cache.length) if overhead is not None else 0.0
+
     @staticmethod
-    def _propose(running: Running, floor: float) -> tuple[DraftShape, Draft, Draft]:
+    def _propose(running: Running, floor: float, price: float) -> tuple[DraftShape, Draft, Draft]:
         """`propose`, unless the request's chains are all worth less than `floor` (its gate's
         best first-position rate): then it does not draft (n-gram lookups and chains for
         sixteen requests cost ~5% of a step), except one step in EXPLORE_EVERY, so that its
@@ -433,7 +449,7 @@ class Scheduler:
             if running.idle < EXPLORE_EVERY:
                 return NO_SHAPE, EMPTY_DRAFT, EMPTY_DRAFT
         running.idle = 0
-        return propose(running.req)
+        return propose(running.req, price)
 
     def _trims(self, drafts: list[Draft], budget: int, roots: int, prefill: int) -> list[int]:
         """How many nodes each draft keeps: the batch's goodput allocation among the requests

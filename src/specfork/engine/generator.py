@@ -25,6 +25,7 @@ from specfork.engine.grammar import GrammarState, grammar_tokenizer
 from specfork.engine.lifecycle import GenerationResult
 from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.output import OutputBuilder
+from specfork.engine.overhead import VerifyOverhead
 from specfork.engine.payback import PlainClock
 from specfork.engine.request import Request
 from specfork.engine.stats import GenerationStats
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 Prompt = str | Sequence[dict[str, str]]
 MAX_KEPT_STRATEGIES = 8  # default: built strategies (drafters with their caches) kept for reuse
 FREE_CACHES = 2  # KV caches of finished requests kept for the next ones
+MAX_OVERHEADS = 32  # strategies whose verification overhead is kept (the oldest dropped)
 
 
 class TextStream:
@@ -150,6 +152,8 @@ class Generator:
         self._cost_curve = cost_curve  # None: the model's own, measured once (goodput.py)
         self._calibration: CostCalibration | None = None  # the model's own curve, corrected
         self._clock: PlainClock | None = None  # recent plain rounds' seconds, with it
+        self._overheads: dict[SpecConfig, VerifyOverhead] = {}  # per strategy, with it
+        self._overheads_lock = threading.Lock()
         self._grammar_tokenizer: llguidance.LLTokenizer | None = None  # built at first use
 
     # -- prompts ------------------------------------------------------------------------------
@@ -382,6 +386,20 @@ class Generator:
         once the model's own curve is in use (None with a curve given to the constructor,
         whose draft lengths stay reproducible, or before any request drafted)."""
         return self._clock
+
+    def verify_overhead(self, spec: SpecConfig) -> VerifyOverhead | None:
+        """What verifying a draft costs `spec`'s lone requests in host work
+        (`engine.overhead`): kept, like the plain clock, once the model's own curve is in use
+        (None with a curve given to the constructor: reproducible draft lengths)."""
+        if self._clock is None:
+            return None
+        with self._overheads_lock:
+            tracker = self._overheads.get(spec)
+            if tracker is None:
+                tracker = self._overheads[spec] = VerifyOverhead(self._clock.step_at)
+                while len(self._overheads) > MAX_OVERHEADS:
+                    self._overheads.pop(next(iter(self._overheads)))
+            return tracker
 
     def _take_cache(self, length: int) -> KVCache:
         """A cache of at least `length` slots: a free one when one is big enough, else new."""

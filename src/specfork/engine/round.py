@@ -126,13 +126,14 @@ def constrained(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
-def propose(req: Request) -> tuple[DraftShape, Draft, Draft]:
+def propose(req: Request, overhead: float = 0.0) -> tuple[DraftShape, Draft, Draft]:
     """The policy's shape fitted to the request, the drafter's proposal, and what the goodput
-    gate keeps of it (shape, proposed, draft)."""
+    gate keeps of it (shape, proposed, draft). `overhead`: what verifying a draft adds to the
+    round in host work, in one-row forwards (`engine.overhead`)."""
     if req.drafter is None or req.policy is None:
         return NO_SHAPE, EMPTY_DRAFT, EMPTY_DRAFT
     t0 = time.perf_counter()
-    req.gate.at_context(req.cache.length)  # rows cost more at a longer context
+    req.gate.at_context(req.cache.length, overhead)  # rows cost more at a longer context
     shape = fit_shape(req, req.policy.next_shape(req.generated))
     if shape.depth < 1 or shape.max_nodes < 1:
         req.stats.spend("draft", t0)

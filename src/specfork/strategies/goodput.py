@@ -105,15 +105,18 @@ class AcceptanceStats:
                 self.memory.add(("chain", source, i), i < accepted)
 
 
-def best_length(rates: list[float], cost: CostCurve, draft_cost: float = 0.0) -> int:
+def best_length(
+    rates: list[float], cost: CostCurve, draft_cost: float = 0.0, overhead: float = 0.0
+) -> int:
     """The k in [0, len(rates)] that maximises expected tokens per unit of cost: the target
-    forward over k + 1 rows plus `draft_cost` (in target forwards) per drafted token."""
+    forward over k + 1 rows plus `draft_cost` (in target forwards) per drafted token, plus
+    `overhead` (the host work of verifying any draft, `engine.overhead`) for k ≥ 1."""
     best, best_value = 0, 1.0 / cost(1)
     expected, survive = 1.0, 1.0
     for k, a in enumerate(rates, start=1):
         survive *= a
         expected += survive
-        value = expected / (cost(k + 1) + draft_cost * k)
+        value = expected / (cost(k + 1) + draft_cost * k + overhead)
         if value > best_value:
             best, best_value = k, value
     return best
@@ -222,8 +225,9 @@ class Gate(Protocol):
         does not rate chains), which a batch compares with what a node must be worth."""
         ...
 
-    def at_context(self, tokens: int) -> None:
-        """The request's cache holds `tokens` tokens: price verification rows there."""
+    def at_context(self, tokens: int, overhead: float = 0.0) -> None:
+        """The request's cache holds `tokens` tokens: price verification rows there, and a
+        round that verifies a draft `overhead` one-row forwards more (its host work)."""
         ...
 
 
@@ -245,7 +249,7 @@ class NoGate:
     def first_rate(self) -> float | None:
         return None
 
-    def at_context(self, tokens: int) -> None:
+    def at_context(self, tokens: int, overhead: float = 0.0) -> None:
         return None
 
 
@@ -257,6 +261,7 @@ class GoodputGate:
         adds to (None: learn from this request alone)."""
         self.curve = cost  # measured; `cost` is it at the request's context (`at_context`)
         self.cost = cost
+        self.overhead = 0.0  # a verifying round's host work, in one-row forwards
         self.stats = AcceptanceStats(memory=memory)
         # P(accepted) by prior score, for drafts that carry one
         self.scored = TreeGate(cost, memory, kind="scored")
@@ -268,7 +273,7 @@ class GoodputGate:
         A costly source (draft_cost > 0: a draft model) that does not pay still drafts one
         token every EXPLORE_EVERY rounds, so that a change in its acceptance is noticed.
         """
-        k = best_length(self.stats.rates(source, drafted), self.cost, draft_cost)
+        k = best_length(self.stats.rates(source, drafted), self.cost, draft_cost, self.overhead)
         if draft_cost > 0:
             idle = self._idle.get(source, 0)
             if k == 0 and idle + 1 >= EXPLORE_EVERY:
@@ -318,9 +323,10 @@ class GoodputGate:
     def first_rate(self) -> float | None:
         return self.stats.best_first_rate()
 
-    def at_context(self, tokens: int) -> None:
+    def at_context(self, tokens: int, overhead: float = 0.0) -> None:
         self.cost = self.curve.at(tokens)
-        self.scored.at_context(tokens)
+        self.overhead = overhead
+        self.scored.at_context(tokens, overhead)
 
     def trim_scored(self, scores: list[float]) -> int:
         """How many leading tokens of an already drafted chain to verify, judged by the
@@ -375,6 +381,7 @@ class TreeGate:
         calibration of scored chains keeps its own), which this gate starts from and adds to."""
         self.curve = cost  # measured; `cost` is it at the request's context (`at_context`)
         self.cost = cost
+        self.overhead = 0.0  # a verifying round's host work, in one-row forwards
         self.hits: dict[tuple[str, int, int], float] = {}
         self.trials: dict[tuple[str, int, int], float] = {}
         self._pool: dict[tuple[str, int], tuple[float, float]] = {}  # (source, depth) -> counts
@@ -428,7 +435,7 @@ class TreeGate:
         best, best_value, expected = 0, 1.0 / cost[1], 1.0
         for n, node in enumerate(order, start=1):
             expected += values[node]
-            value = expected / cost[n + 1]
+            value = expected / (cost[n + 1] + self.overhead)
             if value > best_value:
                 best, best_value = n, value
         keep = [False] * len(scores)
@@ -513,8 +520,9 @@ class TreeGate:
         seen = [self._p(key, 1.0) for key, t in self.trials.items() if key[1] == 1 and t > 0]
         return max(seen, default=PRIOR)
 
-    def at_context(self, tokens: int) -> None:
+    def at_context(self, tokens: int, overhead: float = 0.0) -> None:
         self.cost = self.curve.at(tokens)
+        self.overhead = overhead
 
 
 def _origins(draft: Draft) -> list[str]:
