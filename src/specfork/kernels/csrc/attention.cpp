@@ -323,37 +323,39 @@ SF_AVX512 inline void transpose_bf16(const uint16_t* in, int64_t ld, float* out,
   }
 }
 
-// kt [D, W] = the first W keys of a chunk, transposed (key j in column j): keys below `whole`
-// from K (type T), the next 16 from `tail` (float [16, D], zero-padded), the rest zeros. W is
-// a multiple of 16.
+// kt [D, W] = keys j0 .. j0 + W of a chunk, transposed (key j0 + c in column c): keys below
+// `whole` from K (type T), the 16 from `whole` on from `tail` (float [16, D], zero-padded),
+// those from `most` on zeros. j0, whole and W are multiples of 16.
 template <int VECS, CacheType T>
 SF_AVX512 inline void transpose_keys(const void* K, const float* tail, int64_t whole, int64_t most,
-                                     int64_t W, float* block, float* kt) {
+                                     int64_t j0, int64_t W, float* block, float* kt) {
   constexpr int64_t D = 16 * VECS;
-  for (int64_t j = 0; j < W; j += 16) {
+  for (int64_t c = 0; c < W; c += 16) {
+    const int64_t j = j0 + c;
     if (j >= most) {
-      for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(kt + d * W + j, _mm512_setzero_ps());
+      for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(kt + d * W + c, _mm512_setzero_ps());
       continue;
     }
     if constexpr (T == CacheType::BF16 && VECS % 2 == 0) {
       if (j < whole) {  // straight from the cache's bf16, converted as transposed
         const uint16_t* keys = static_cast<const uint16_t*>(K) + j * D;
-        for (int c = 0; c < VECS; c += 2) transpose_bf16(keys + 16 * c, D, kt + 16 * c * W + j, W);
+        for (int v = 0; v < VECS; v += 2) transpose_bf16(keys + 16 * v, D, kt + 16 * v * W + c, W);
         continue;
       }
     }
     const float* keys = j < whole ? as_float<VECS, T>(K, j, 16, block) : tail;  // [16, D]
-    for (int c = 0; c < VECS; ++c) transpose16(keys + 16 * c, D, kt + 16 * c * W + j, W);
+    for (int v = 0; v < VECS; ++v) transpose16(keys + 16 * v, D, kt + 16 * v * W + c, W);
   }
 }
 
-// Scores of NQ queries against keys j .. j + 16 NB of kt [D, W]: for each (query, key), one
-// fused multiply-add per dimension in dimension order from zero — the very steps of
-// `chunk_generic`, so a score does not depend on the kernel, on the other queries, nor on the
-// keys beside it — times the scale, stored to e (lanes past a query's keys left alone).
+// Scores of NQ queries against the keys in columns c .. c + 16 NB of kt [D, W], keys j0 + c
+// on of the chunk: for each (query, key), one fused multiply-add per dimension in dimension
+// order from zero — the very steps of `chunk_generic`, so a score does not depend on the
+// kernel, on the other queries, nor on the keys beside it — times the scale, stored to e
+// (lanes past a query's keys left alone).
 template <int VECS, int NQ, int NB>
-SF_AVX512 inline void scores_t(const Query* qs, const float* kt, int64_t W, int64_t j, float scale,
-                               float* e) {
+SF_AVX512 inline void scores_t(const Query* qs, const float* kt, int64_t W, int64_t c, int64_t j0,
+                               float scale, float* e) {
   constexpr int64_t D = 16 * VECS;
   __m512 acc[NQ][NB];
   for (int i = 0; i < NQ; ++i)
@@ -361,7 +363,7 @@ SF_AVX512 inline void scores_t(const Query* qs, const float* kt, int64_t W, int6
   for (int64_t d = 0; d < D; ++d) {
     __m512 k[NB];
     for (int b = 0; b < NB; ++b) {
-      k[b] = _mm512_loadu_ps(kt + d * W + j + 16 * b);
+      k[b] = _mm512_loadu_ps(kt + d * W + c + 16 * b);
       __asm__("" : "+v"(k[b]));  // kept in a register: folded into each FMA, loads bound the loop
     }
     for (int i = 0; i < NQ; ++i) {
@@ -372,33 +374,46 @@ SF_AVX512 inline void scores_t(const Query* qs, const float* kt, int64_t W, int6
   const __m512 sc = _mm512_set1_ps(scale);
   for (int i = 0; i < NQ; ++i)
     for (int b = 0; b < NB; ++b) {
-      const int64_t at = j + 16 * b, left = qs[i].n - at;
+      const int64_t at = j0 + c + 16 * b, left = qs[i].n - at;
       if (left <= 0) continue;
       const __mmask16 lanes = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1u);
       _mm512_mask_storeu_ps(e + i * kChunk + at, lanes, _mm512_mul_ps(acc[i][b], sc));
     }
 }
 
-// The scores of every query of a chunk (e: [count, kChunk]) from its transposed keys kt [D, W]:
-// three queries and 64 keys at a time (twelve independent sums in flight).
+// Every query's scores (e: [count, kChunk]) against columns c .. c + 16 NB of kt: three queries
+// at a time (3 NB independent sums in flight), then two, then one.
 template <int VECS, int NB>
-SF_AVX512 void scores_span(const Query* qs, int64_t count, const float* kt, int64_t W, int64_t j,
-                           float scale, float* e) {
+SF_AVX512 void scores_span(const Query* qs, int64_t count, const float* kt, int64_t W, int64_t c,
+                           int64_t j0, float scale, float* e) {
   int64_t i = 0;
-  for (; i + 3 <= count; i += 3) scores_t<VECS, 3, NB>(qs + i, kt, W, j, scale, e + i * kChunk);
-  for (; i < count; ++i) scores_t<VECS, 1, NB>(qs + i, kt, W, j, scale, e + i * kChunk);
+  for (; i + 3 <= count; i += 3) scores_t<VECS, 3, NB>(qs + i, kt, W, c, j0, scale, e + i * kChunk);
+  if (i + 2 <= count) {
+    scores_t<VECS, 2, NB>(qs + i, kt, W, c, j0, scale, e + i * kChunk);
+    i += 2;
+  }
+  if (i < count) scores_t<VECS, 1, NB>(qs + i, kt, W, c, j0, scale, e + i * kChunk);
 }
 
+// Every query's scores against the W keys of kt [D, W], keys j0 on of the chunk: 64 keys at a
+// time, then 32, then 16.
 template <int VECS>
-SF_AVX512 void scores_all(const Query* qs, int64_t count, const float* kt, int64_t W, float scale,
-                          float* e) {
-  int64_t j = 0;
-  for (; j + 64 <= W; j += 64) scores_span<VECS, 4>(qs, count, kt, W, j, scale, e);
-  if (j + 32 <= W) {
-    scores_span<VECS, 2>(qs, count, kt, W, j, scale, e);
-    j += 32;
+SF_AVX512 void scores_all(const Query* qs, int64_t count, const float* kt, int64_t W, int64_t j0,
+                          float scale, float* e) {
+  int64_t c = 0;
+  for (; c + 64 <= W; c += 64) scores_span<VECS, 4>(qs, count, kt, W, c, j0, scale, e);
+  if (c + 32 <= W) {
+    scores_span<VECS, 2>(qs, count, kt, W, c, j0, scale, e);
+    c += 32;
   }
-  if (j < W) scores_span<VECS, 1>(qs, count, kt, W, j, scale, e);
+  if (c < W) scores_span<VECS, 1>(qs, count, kt, W, c, j0, scale, e);
+}
+
+// Keys of a chunk transposed at a time: kt [D, span] within 32 KB (so that it stays in L1 while
+// every query reads it), a multiple of 16, at most the chunk.
+constexpr int64_t key_span(int64_t D) {
+  const int64_t fit = (8192 / D) / 16 * 16;
+  return fit < 16 ? 16 : (fit > kChunk ? kChunk : fit);
 }
 
 // The queries of one chunk (rows and heads sharing its keys and values). K and V are the
@@ -407,7 +422,7 @@ SF_AVX512 void scores_all(const Query* qs, int64_t count, const float* kt, int64
 // last partial block of 16 keys, zero-padded, so that no read runs past the run. Each query's
 // steps are those of one pass over its keys — scores, max, exponentials and their sum,
 // weighted values in even and odd ranks. The keys are converted to float and transposed once
-// for all queries (kt [D, up to kChunk] at the end of `block`), so that a score is a run of
+// for all queries, a span at a time (kt [D, key_span(D)] at the end of `block`), so that a score is a run of
 // multiply-adds with keys in lanes and no sum across lanes; values run keys-outer, 32 keys for
 // every query and then the next 32, so a block of values is read from L1 by all queries
 // instead of from L2 by each, converted once a block for all of them (`block`: [32, D] float
@@ -420,16 +435,20 @@ SF_AVX512 void queries_avx512(const Query* qs, int64_t count, const void* K, con
   int64_t most = 0;
   for (int64_t i = 0; i < count; ++i) most = std::max(most, qs[i].n);
   const int64_t whole = tail ? most / 16 * 16 : most;  // keys read from K (the rest from tail)
-  const int64_t W = (most + 15) / 16 * 16;
-  float* kt = block + 32 * D;  // [D, W]
+  constexpr int64_t S = key_span(D);
+  float* kt = block + 32 * D;  // [D, S]
   {  // ask for the chunk's keys and values at once, so that they arrive while earlier ones are used
     const size_t bytes = (T == CacheType::F32 ? sizeof(float) : sizeof(uint16_t)) * D * whole;
     const char *k = static_cast<const char*>(K), *v = static_cast<const char*>(V);
-    for (size_t at = 0; at < bytes; at += 64) _mm_prefetch(k + at, _MM_HINT_T0);
+    for (size_t at = 0; at < bytes; at += 64)  // the keys into L1 as far as they fit
+      at < 32768 ? _mm_prefetch(k + at, _MM_HINT_T0) : _mm_prefetch(k + at, _MM_HINT_T1);
     for (size_t at = 0; at < bytes; at += 64) _mm_prefetch(v + at, _MM_HINT_T1);
   }
-  transpose_keys<VECS, T>(K, tail, whole, most, W, block, kt);
-  scores_all<VECS>(qs, count, kt, W, scale, e);
+  for (int64_t j0 = 0; j0 < most; j0 += S) {
+    const int64_t W = std::min(S, (most - j0 + 15) / 16 * 16);
+    transpose_keys<VECS, T>(K, tail, whole, most, j0, W, block, kt);
+    scores_all<VECS>(qs, count, kt, W, j0, scale, e);
+  }
   for (int64_t i = 0; i < count; ++i) {  // max (exact in any order), exponentials, their sum
     const int64_t n = qs[i].n;
     float* ei = e + i * kChunk;
@@ -771,7 +790,7 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
       [&] {
         const auto floats = [](int64_t n) { return std::unique_ptr<float[]>(new float[n]); };
         return Scratch{floats(kChunk * D), floats(kChunk * D), floats(most * kChunk + 16),
-                       floats(most * 2 * D), floats(32 * D + D * kChunk), {}};
+                       floats(most * 2 * D), floats(32 * D + 8192), {}};
       },
       [&](int64_t i, Scratch& w) {
         const Item& it = items[i];
