@@ -4,6 +4,7 @@ file is stale, unreadable or another curve, and keyed by the weights and the thr
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -19,13 +20,13 @@ from specfork.config import GenerationConfig, SpecConfig
 from specfork.engine.generator import Generator
 from specfork.loading.loader import LoadedModel, load_model
 from specfork.models import cost_cache
-from specfork.models.cost import ROWS, CostCurve
+from specfork.models.cost import ROWS, CostCurve, lower_hull
 from specfork.threads import Threads, ThreadUse
 from tiny_models import tiny_chat_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-EDITED = [1.0 + i for i in range(len(ROWS))]  # a valid curve no measurement gives
+EDITED = [1.0 + 0.25 * (r - 1) for r in ROWS]  # a valid curve no measurement gives (convex)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def _edit(path: Path) -> None:
 
 
 def test_the_far_curve_is_stored_and_read_back(tmp_path) -> None:
-    near, far = tuple(1.0 + i / 10 for i in range(len(ROWS))), EDITED
+    near, far = tuple(1.0 + 0.1 * (r - 1) for r in ROWS), EDITED
     curve = CostCurve(ROWS, near, 192, CostCurve(ROWS, tuple(far), 1024), 1.7)
     path = tmp_path / "curve.json"
     cost_cache._write(curve, path)
@@ -47,6 +48,29 @@ def test_the_far_curve_is_stored_and_read_back(tmp_path) -> None:
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "far_context": 100}))  # not beyond the near context
     assert cost_cache._read(path) is None
+
+
+STALE = (1.0, 1.0, 1.54, 1.54, 1.54, 1.61, 2.30, 2.66, 4.03, 5.46)  # a slow spell at 3-6 rows
+
+
+def test_a_cost_above_the_curves_lower_hull_is_lowered_to_it() -> None:
+    smooth = lower_hull(ROWS, STALE)
+    on_line = tuple(1.0 + (1.61 - 1.0) * (r - 2) / 6 for r in (3, 4, 6))  # from 2 to 8 rows
+    assert smooth[2:5] == pytest.approx(on_line)
+    assert smooth[6] == pytest.approx(1.61 + (2.66 - 1.61) / 2)  # 12 rows: between 8 and 16
+    kept = (0, 1, 5, 7, 8, 9)  # the hull's vertices keep their measured cost
+    assert all(smooth[i] == STALE[i] for i in kept)
+    assert all(a <= b for a, b in zip(smooth, STALE, strict=True))  # never raised
+    assert all(a <= b for a, b in itertools.pairwise(smooth))  # still rising
+    convex = tuple(1.0 + 0.02 * (r - 1) ** 1.5 for r in ROWS)
+    assert lower_hull(ROWS, convex) == convex
+
+
+def test_a_stored_curve_with_a_spike_is_read_back_lowered(tmp_path) -> None:
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps({"rows": list(ROWS), "cost": list(STALE), "context": 192}))
+    curve = cost_cache._read(path)
+    assert curve is not None and curve.cost == lower_hull(ROWS, STALE)
 
 
 def test_a_long_enough_model_gets_a_far_curve(tiny: LoadedModel) -> None:

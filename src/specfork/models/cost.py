@@ -6,6 +6,7 @@ The goodput gate (`specfork.strategies.goodput`) weighs extra verification rows 
 from __future__ import annotations
 
 import functools
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -90,11 +91,12 @@ class CostCurve:
         limit = model.config.max_position - ROWS[-1] - 1
         context = max(0, min(context, limit))
         near = _forward_seconds(model, context, repeats)
-        curve = cls(ROWS, _relative(near), context)
+        curve = cls(ROWS, lower_hull(ROWS, _relative(near)), context)
         if far_context > 2 * max(context, 1) and far_context <= limit:
             far = _forward_seconds(model, far_context, FAR_REPEATS)
             step = far[0] / near[0]
-            curve = cls(ROWS, curve.cost, context, cls(ROWS, _relative(far), far_context), step)
+            far_curve = cls(ROWS, lower_hull(ROWS, _relative(far)), far_context)
+            curve = cls(ROWS, curve.cost, context, far_curve, step)
         return curve
 
 
@@ -121,6 +123,36 @@ def _relative(times: list[float]) -> tuple[float, ...]:
     for i in range(1, len(cost)):  # more rows never cost less (noise)
         cost[i] = max(cost[i], cost[i - 1])
     return tuple(cost)
+
+
+def lower_hull(rows: tuple[int, ...], cost: tuple[float, ...]) -> tuple[float, ...]:
+    """`cost` by `rows` lowered to its lower convex hull: each size's cost at most the line
+    between any smaller and any larger size's. A measured curve's extra rows cost more the
+    more rows there are (on the CPU they are computed, and attention grows with them), so a
+    size above that line was a slow spell of the machine. Such a spike outlives the
+    measurement in the cost cache: the gates never verify that many rows, the calibration
+    (`models.cost_calibration`) never sees them and never corrects it (a stored curve priced
+    3-6 rows at 1.54 one-row forwards where a fresh one said 1.07-1.25). A size measured too
+    cheap stays: the gates then verify that many rows, and the calibration corrects it."""
+    hull: list[int] = []  # indices of the hull's vertices
+    for i in range(len(rows)):
+        while len(hull) >= 2 and _above(rows, cost, hull[-2], hull[-1], i):
+            hull.pop()
+        hull.append(i)
+    out = list(cost)
+    for a, b in itertools.pairwise(hull):
+        for i in range(a + 1, b):
+            w = (rows[i] - rows[a]) / (rows[b] - rows[a])
+            line = cost[a] + (cost[b] - cost[a]) * w
+            if line < cost[i] * (1 - 1e-9):  # above it, not on it up to rounding
+                out[i] = line
+    return tuple(out)
+
+
+def _above(rows: tuple[int, ...], cost: tuple[float, ...], a: int, b: int, c: int) -> bool:
+    """Whether point b lies on or above the line from point a to point c."""
+    cross = (rows[b] - rows[a]) * (cost[c] - cost[a]) - (cost[b] - cost[a]) * (rows[c] - rows[a])
+    return cross <= 0
 
 
 def _forward_seconds(model: TargetModel, context: int, repeats: int) -> list[float]:

@@ -22,7 +22,7 @@ import torch
 
 from specfork.atomic import atomic_file
 from specfork.host import cpu_name, source_digest
-from specfork.models.cost import ROWS, CostCurve
+from specfork.models.cost import ROWS, CostCurve, lower_hull
 
 if TYPE_CHECKING:
     from specfork.models.target import TargetModel
@@ -101,7 +101,7 @@ def _curve(rows: list, cost: list, context: object) -> CostCurve | None:
         return None
     if not isinstance(context, int) or context < 0:
         return None
-    return CostCurve(rows_t, cost_t, context)
+    return CostCurve(rows_t, lower_hull(rows_t, cost_t), context)  # one stored before it
 
 
 def _write(curve: CostCurve, path: Path) -> None:
