@@ -11,6 +11,19 @@ or `--workload` and `--per-category`) to rebuild each turn's context.
 
     python benchmarks/drafter_replay.py /tmp/run/results.json.gz --workload agent \
         --per-category 3 --drafters ngram suffix suffix:own=0
+
+With `--curves A.json B.json`, every drafter is also replayed through a goodput gate (its rates
+handed from request to request, as in the bench) priced by each cost curve, and the speed is
+modelled: plain decoding's one-row steps over the rounds' c(rows), both at their context
+(`CostCurve.at`, `step_at`). The same texts under two curves judge a change of the kernels'
+costs apart from the texts it makes (a quantized model's greedy text changes with any change of
+arithmetic). A curve file is the cost cache's JSON (`~/.cache/specfork/cost/`), or one written
+by `--measure-curve OUT` under the version to judge:
+
+    PYTHONPATH=/tmp/old/src python benchmarks/drafter_replay.py --measure-curve /tmp/old.json
+    python benchmarks/drafter_replay.py --measure-curve /tmp/new.json
+    python benchmarks/drafter_replay.py /tmp/run/results.json.gz --workload all \
+        --per-category 4 --drafters suffix --curves /tmp/old.json /tmp/new.json
 """
 
 from __future__ import annotations
@@ -37,6 +50,10 @@ from specfork.drafters.suffix import SuffixDrafter, SuffixSettings
 from specfork.drafters.suffix_index import SuffixIndex
 from specfork.engine.generator import Generator
 from specfork.loading.loader import load_model
+from specfork.models.cost import CostCurve, lower_hull
+from specfork.strategies.goodput import GoodputGate
+from specfork.strategies.rate_memory import RateMemory
+from specfork.verify import Verdict
 
 log = logging.getLogger("drafter_replay")
 
@@ -101,16 +118,93 @@ def turns(args: argparse.Namespace, generator: Generator, results: dict) -> list
     return out
 
 
+def read_curve(path: Path) -> CostCurve:
+    """A cost curve file (the cost cache's JSON), lowered to its hull as the engine reads it."""
+    data = json.loads(path.read_text())
+    rows = tuple(data["rows"])
+    far = None
+    if data.get("far") is not None:
+        far = CostCurve(rows, lower_hull(rows, tuple(data["far"])), data["far_context"])
+    near = lower_hull(rows, tuple(data["cost"]))
+    return CostCurve(rows, near, data.get("context", 0), far, data.get("far_step", 1.0))
+
+
+def write_curve(curve: CostCurve, path: Path) -> None:
+    """`curve` as the cost cache writes it."""
+    data = {"rows": curve.rows, "cost": curve.cost, "context": curve.context}
+    if curve.far is not None:
+        data |= {"far": curve.far.cost, "far_context": curve.far.context}
+        data["far_step"] = curve.far_step
+    path.write_text(json.dumps(data))
+
+
+def replay_gated(spec: str, cases: list[tuple], curve: CostCurve, k: int) -> dict:
+    """Per (category, later turn): [plain steps' cost, the rounds' cost, tokens, forwards] of
+    `spec`'s chains trimmed by a goodput gate priced by `curve` (one-row forwards at the
+    curve's own context), every request's gate starting from the earlier ones' rates."""
+    source, memory = drafter(spec), RateMemory()
+    out: dict[tuple[str, bool], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+    for cat, turn, prompt, output in cases:
+        request, gate = source.begin(prompt), GoodputGate(curve, memory)
+        rng, greedy, t = torch.Generator(), SamplingParams(), 1
+        while t < len(output):
+            context = len(prompt) + t
+            gate.at_context(context)
+            proposed = request.propose(prompt + output[:t], DraftShape(k), greedy, rng)
+            kept = gate.trim(proposed, False) if len(proposed) else proposed
+            draft = kept.tokens.tolist() if len(kept) else []
+            accepted = 0
+            while accepted < len(draft) and t + accepted < len(output):
+                if draft[accepted] != output[t + accepted]:
+                    break
+                accepted += 1
+            emitted = output[t : t + accepted + 1]
+            if len(proposed):
+                gate.learn(proposed, kept, Verdict(list(range(accepted)), emitted), False)
+            row = out[(cat, turn > 1)]
+            row[0] += sum(curve.step_at(context + j) for j in range(len(emitted)))
+            row[1] += curve.at(context)(len(draft) + 1) * curve.step_at(context)
+            row[2] += len(emitted)
+            row[3] += 1
+            t += accepted + 1
+        request.propose(prompt + output, DraftShape(1), greedy, rng)
+    return out
+
+
+def gated_table(args: argparse.Namespace, cases: list[tuple]) -> None:
+    """The modelled speed of every drafter under every curve (see the module doc)."""
+    log.info(
+        "\nthrough a goodput gate, speed modelled from each curve (x plain / tokens per forward)"
+    )
+    for spec in args.drafters:
+        for path in args.curves:
+            out = replay_gated(spec, cases, read_curve(path), args.k)
+            total = [sum(v[i] for v in out.values()) for i in range(4)]
+            cells = [f"all {total[0] / total[1]:.2f}x/{total[2] / total[3]:.2f}"]
+            for (cat, later), v in sorted(out.items()):
+                cells.append(f"{cat}{'+' if later else ''} {v[0] / v[1]:.2f}x/{v[2] / v[3]:.2f}")
+            log.info("%s, %s: %s", spec, path.name, " ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", type=Path, help="a greedy bench run's results.json.gz")
+    ap.add_argument("results", type=Path, nargs="?", help="a greedy bench run's results.json.gz")
     ap.add_argument("--prompts", type=Path, default=Path("../shared/bench/specbench-dev.jsonl"))
     ap.add_argument("--workload", help="the run's --workload instead of --prompts")
     ap.add_argument("--per-category", type=int, default=None)
     ap.add_argument("--drafters", nargs="+", default=["ngram", "suffix"])
     ap.add_argument("-k", type=int, default=16, help="the chain's most tokens")
+    ap.add_argument("--curves", type=Path, nargs="+", default=[], help="cost curve files")
+    ap.add_argument("--measure-curve", type=Path, help="measure this version's curve, write it")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.measure_curve is not None:
+        curve = CostCurve.measure(load_model("smollm2-135m-instruct", progress=False).model)
+        write_curve(curve, args.measure_curve)
+        log.info("wrote %s: %s", args.measure_curve, curve)
+        return
+    if args.results is None:
+        ap.error("a bench run's results.json.gz is needed (or --measure-curve)")
     with gzip.open(args.results, "rt") as f:
         results = json.load(f)
     generator = Generator(load_model("smollm2-135m-instruct", progress=False))
@@ -133,6 +227,8 @@ def main() -> None:
         first = [r for r in rows if r[1] == 1]
         later = [r for r in rows if r[1] > 1]
         log.info("| %s | %s | %s | %s | %s |", spec, ratio(rows), ratio(first), ratio(later), cats)
+    if args.curves:
+        gated_table(args, cases)
 
 
 if __name__ == "__main__":

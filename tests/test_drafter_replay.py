@@ -1,5 +1,6 @@
 """`benchmarks/drafter_replay.py`: replaying plain decoding's greedy output through a drafter
-counts the target forwards a chain drafter would need (no model, no gate)."""
+counts the target forwards a chain drafter would need (no model); through a goodput gate, it
+models the speed a cost curve gives (a curve file read as the engine reads it)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from specfork.drafters.ngram import NgramDrafter
 from specfork.drafters.suffix import SuffixDrafter
 from specfork.drafters.suffix_index import SuffixIndex
+from specfork.models.cost import ROWS, CostCurve, lower_hull
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [5, 1, 2, 3, 4, 5, 6, 7, 8]
@@ -52,3 +54,25 @@ def test_drafter_names_are_read_or_refused(replay_script) -> None:
     assert not replay_script.drafter("suffix:own=0").settings.own
     with pytest.raises(SystemExit, match="unknown drafter"):
         replay_script.drafter("medusa")
+
+
+def test_a_curve_file_round_trips_and_is_read_as_its_hull(replay_script, tmp_path) -> None:
+    spiky = (1.0, 1.0, 1.54, 1.54, 1.54, 1.61, 2.30, 2.66, 4.03, 5.46)
+    far = CostCurve(ROWS, tuple(1.0 + 0.25 * (r - 1) for r in ROWS), 1024)
+    path = tmp_path / "curve.json"
+    replay_script.write_curve(CostCurve(ROWS, spiky, 192, far, 1.4), path)
+    curve = replay_script.read_curve(path)
+    assert curve.cost == lower_hull(ROWS, spiky) and curve.far == far
+    assert curve.context == 192 and curve.far_step == 1.4
+
+
+def test_a_gated_replay_models_the_speed_by_the_curve(replay_script) -> None:
+    cases = [("copy", 1, PROMPT, OUTPUT)] * 3
+    cheap = CostCurve((1, 2, 4, 8, 16), (1.0, 1.0, 1.0, 1.0, 1.0))
+    dear = CostCurve((1, 2, 4, 8, 16), (1.0, 2.0, 4.0, 8.0, 16.0))
+    free = replay_script.replay_gated("ngram", cases, cheap, 16)[("copy", False)]
+    plain, cost, tokens, forwards = free
+    assert tokens == 3 * (len(OUTPUT) - 1) and forwards < tokens  # copied spans verified
+    assert plain / cost == pytest.approx(tokens / forwards)  # rows free: speed = tokens/forward
+    paid = replay_script.replay_gated("ngram", cases, dear, 16)[("copy", False)]
+    assert paid[3] == paid[2] and paid[0] / paid[1] == pytest.approx(1.0)  # no row ever pays
