@@ -50,7 +50,8 @@ from specfork.drafters.suffix import SuffixDrafter, SuffixSettings
 from specfork.drafters.suffix_index import SuffixIndex
 from specfork.engine.generator import Generator
 from specfork.loading.loader import load_model
-from specfork.models.cost import CostCurve, lower_hull
+from specfork.models.cost import CostCurve
+from specfork.models.cost_cache import read_curve, write_curve
 from specfork.strategies.goodput import GoodputGate
 from specfork.strategies.rate_memory import RateMemory
 from specfork.verify import Verdict
@@ -118,26 +119,6 @@ def turns(args: argparse.Namespace, generator: Generator, results: dict) -> list
     return out
 
 
-def read_curve(path: Path) -> CostCurve:
-    """A cost curve file (the cost cache's JSON), lowered to its hull as the engine reads it."""
-    data = json.loads(path.read_text())
-    rows = tuple(data["rows"])
-    far = None
-    if data.get("far") is not None:
-        far = CostCurve(rows, lower_hull(rows, tuple(data["far"])), data["far_context"])
-    near = lower_hull(rows, tuple(data["cost"]))
-    return CostCurve(rows, near, data.get("context", 0), far, data.get("far_step", 1.0))
-
-
-def write_curve(curve: CostCurve, path: Path) -> None:
-    """`curve` as the cost cache writes it."""
-    data = {"rows": curve.rows, "cost": curve.cost, "context": curve.context}
-    if curve.far is not None:
-        data |= {"far": curve.far.cost, "far_context": curve.far.context}
-        data["far_step"] = curve.far_step
-    path.write_text(json.dumps(data))
-
-
 def replay_gated(spec: str, cases: list[tuple], curve: CostCurve, k: int) -> dict:
     """Per (category, later turn): [plain steps' cost, the rounds' cost, tokens, forwards] of
     `spec`'s chains trimmed by a goodput gate priced by `curve` (one-row forwards at the
@@ -178,7 +159,10 @@ def gated_table(args: argparse.Namespace, cases: list[tuple]) -> None:
     )
     for spec in args.drafters:
         for path in args.curves:
-            out = replay_gated(spec, cases, read_curve(path), args.k)
+            curve = read_curve(path, max_age_days=None)
+            if curve is None:
+                raise SystemExit(f"{path} holds no cost curve of this version: --measure-curve")
+            out = replay_gated(spec, cases, curve, args.k)
             total = [sum(v[i] for v in out.values()) for i in range(4)]
             cells = [f"all {total[0] / total[1]:.2f}x/{total[2] / total[3]:.2f}"]
             for (cat, later), v in sorted(out.items()):

@@ -43,11 +43,11 @@ def test_the_far_curve_is_stored_and_read_back(tmp_path) -> None:
     near, far = tuple(1.0 + 0.1 * (r - 1) for r in ROWS), EDITED
     curve = CostCurve(ROWS, near, 192, CostCurve(ROWS, tuple(far), 1024), 1.7)
     path = tmp_path / "curve.json"
-    cost_cache._write(curve, path)
-    assert cost_cache._read(path) == curve
+    cost_cache.write_curve(curve, path)
+    assert cost_cache.read_curve(path) == curve
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "far_context": 100}))  # not beyond the near context
-    assert cost_cache._read(path) is None
+    assert cost_cache.read_curve(path) is None
 
 
 STALE = (1.0, 1.0, 1.54, 1.54, 1.54, 1.61, 2.30, 2.66, 4.03, 5.46)  # a slow spell at 3-6 rows
@@ -69,7 +69,7 @@ def test_a_cost_above_the_curves_lower_hull_is_lowered_to_it() -> None:
 def test_a_stored_curve_with_a_spike_is_read_back_lowered(tmp_path) -> None:
     path = tmp_path / "curve.json"
     path.write_text(json.dumps({"rows": list(ROWS), "cost": list(STALE), "context": 192}))
-    curve = cost_cache._read(path)
+    curve = cost_cache.read_curve(path)
     assert curve is not None and curve.cost == lower_hull(ROWS, STALE)
 
 

@@ -5,6 +5,7 @@ models the speed a cost curve gives (a curve file read as the engine reads it)."
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -61,7 +62,9 @@ def test_a_curve_file_round_trips_and_is_read_as_its_hull(replay_script, tmp_pat
     far = CostCurve(ROWS, tuple(1.0 + 0.25 * (r - 1) for r in ROWS), 1024)
     path = tmp_path / "curve.json"
     replay_script.write_curve(CostCurve(ROWS, spiky, 192, far, 1.4), path)
-    curve = replay_script.read_curve(path)
+    os.utime(path, (0, 0))  # older than the cost cache keeps a curve: a file to judge with
+    assert replay_script.read_curve(path) is None
+    curve = replay_script.read_curve(path, max_age_days=None)
     assert curve.cost == lower_hull(ROWS, spiky) and curve.far == far
     assert curve.context == 192 and curve.far_step == 1.4
 

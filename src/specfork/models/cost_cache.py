@@ -58,7 +58,7 @@ def load_or_measure(model: TargetModel, source: Path | None, folder: Path) -> Co
     """The stored curve when one is fresh, else a new measurement (stored when it can be)."""
     path = curve_file(model, source, folder) if source is not None and source.exists() else None
     if path is not None:
-        stored = _read(path)
+        stored = read_curve(path)
         if stored is not None:
             return stored
     threads_before = model.thread_use()
@@ -71,13 +71,15 @@ def load_or_measure(model: TargetModel, source: Path | None, folder: Path) -> Co
             "cores busy: this process uses it, later ones measure again"
         )
     if path is not None and not fewer:
-        _write(curve, path)
+        write_curve(curve, path)
     return curve
 
 
-def _read(path: Path) -> CostCurve | None:
+def read_curve(path: Path, max_age_days: float | None = MAX_AGE_DAYS) -> CostCurve | None:
+    """The curve stored at `path` (lowered to its hull), or None when it is missing, older
+    than `max_age_days` (None: any age), unreadable or another version's."""
     try:
-        if time.time() - path.stat().st_mtime > MAX_AGE_DAYS * 86400:
+        if max_age_days is not None and time.time() - path.stat().st_mtime > max_age_days * 86400:
             return None
         data = json.loads(path.read_text())
         near = _curve(data["rows"], data["cost"], data.get("context", 0))
@@ -104,8 +106,9 @@ def _curve(rows: list, cost: list, context: object) -> CostCurve | None:
     return CostCurve(rows_t, lower_hull(rows_t, cost_t), context)  # one stored before it
 
 
-def _write(curve: CostCurve, path: Path) -> None:
-    """Write atomically; a failure only logs a warning (the curve is measured next time)."""
+def write_curve(curve: CostCurve, path: Path) -> None:
+    """Store `curve` at `path` atomically; a failure only logs a warning (the curve is measured
+    next time)."""
     data = {"rows": curve.rows, "cost": curve.cost, "context": curve.context}
     if curve.far is not None:
         data |= {
