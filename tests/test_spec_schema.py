@@ -34,6 +34,7 @@ SAMPLES = {
     "goodput": ("false", "speculative"),
     "payback": ("false", "dspark"),
     "cascade": ("true", "dspark"),
+    "grammar_drafts": ("false", "spork"),
     "expected_length": ("99", "speculative"),
     "min_k": ("3", "dspark"),
     "max_k": ("9", "dspark"),

@@ -288,6 +288,7 @@ BOOL_OPTIONS = (
     "goodput",
     "payback",
     "cascade",
+    "grammar_drafts",
     "adapt",
     "recycle_persist",
     "recycle_prior",
@@ -327,6 +328,8 @@ class SpecConfig:
     plain rounds stops drafting for a while (`specfork.engine.payback`). `cascade` (chains)
     turns a drafter of free sources and a head ("ngram+head", "suffix+head") into a cascade:
     the free sources' chain is checked and extended by the head (`drafters.cascade`).
+    `grammar_drafts`: a constrained request (JSON schema, regex, a required tool call) of a
+    drafting strategy also drafts the tokens its grammar forces (`engine.forced`).
     """
 
     strategy: str = "ar"
@@ -363,6 +366,7 @@ class SpecConfig:
     goodput: bool = True  # chains: verify only the part of a draft expected to pay (goodput.py)
     payback: bool = True  # stop drafting while drafting rounds lose to plain ones (payback.py)
     cascade: bool = False  # chains: the free sources' chain checked and extended by the head
+    grammar_drafts: bool = True  # a constrained request drafts the tokens its grammar forces
     # `drafter` parsed once in __post_init__ (`sources`): not an option, not compared or hashed
     _sources: tuple[DraftSource, ...] = field(init=False, repr=False, compare=False)
 

@@ -134,6 +134,14 @@ SPEC_OPTIONS: tuple[SpecOption, ...] = (
         "wins)",
     ),
     _o(
+        "grammar_drafts",
+        bool,
+        "drafting",
+        "with a JSON schema, regex or required tool call, also draft the tokens the grammar "
+        "forces (a key, the rest of a name, punctuation), verified like any draft "
+        "(--no-grammar-drafts: only the drafter's tokens)",
+    ),
+    _o(
         "expected_length",
         int,
         "speculative",

@@ -194,7 +194,9 @@ class Feedback:
     logits at every prompt row would cost up to a second prefill on a large vocabulary, and
     what followed a token's latest occurrence is all a recycle table keeps); `hidden` [C, T, D]
     (float32) the outputs of the target's blocks named by the drafter's `hidden_layers`, in
-    that order, present when it names any.
+    that order, present when it names any. `own` is False when a round verified another
+    source's draft instead of the drafter's (the tokens a grammar forces): a drafter that
+    cached its own proposal must then drop it from the round's root on.
     """
 
     committed: int
@@ -204,6 +206,7 @@ class Feedback:
     hidden: torch.Tensor | None = None  # [C, T, D]
     prompt: bool = False  # the rows are a prompt chunk
     logit_rows: torch.Tensor | None = None  # [U] int64: the rows `logits` are of (None: all)
+    own: bool = True  # the round verified this drafter's proposal (or a part of it)
 
     @property
     def logit_tokens(self) -> torch.Tensor:

@@ -211,8 +211,14 @@ class ModelDrafter:
         return self.model.logits(hidden[0, last.to(dev)])  # [K, V]
 
     def observe(self, feedback: Feedback) -> None:
-        if self.cache is not None:
-            self.cache.truncate(min(self.cache.length, feedback.committed))
+        """Forget the cached draft past what the round committed; all of the round's draft
+        when the round verified another source's tokens (from its root on: re-run later)."""
+        if self.cache is None:
+            return
+        kept = feedback.committed
+        if not feedback.own and not feedback.prompt:
+            kept -= len(feedback.kept_rows)
+        self.cache.truncate(max(0, min(self.cache.length, kept)))
 
 
 def step_weights(model: TargetModel, layers: Sequence[int] | None = None) -> int:

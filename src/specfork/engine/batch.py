@@ -33,6 +33,7 @@ import torch
 from specfork.checks import is_int
 from specfork.config import GenerationConfig, SamplingParams, SpecConfig
 from specfork.drafters.base import EMPTY_DRAFT, Draft, DraftShape, Feedback, newest_rows
+from specfork.engine.forced import is_forced, with_forced
 from specfork.engine.lifecycle import GenerationResult, first_tokens, result, stopped, take
 from specfork.engine.logprobs import TokenLogprob
 from specfork.engine.overhead import host_seconds
@@ -350,6 +351,8 @@ class Scheduler:
         if clock is None or len(work.rounds) != 1 or work.chunks or len(tokens) != 1:
             return
         (running, planned), (_, emitted) = work.rounds[0], tokens[0]
+        if is_forced(planned.draft):  # neither a plain step nor the drafter's round
+            return
         spec = running.req.spec
         if running.payback is None and spec.drafts and spec.goodput and spec.payback:
             running.payback = Payback(clock)
@@ -438,16 +441,16 @@ class Scheduler:
         """`propose`, unless the request's chains are all worth less than `floor` (its gate's
         best first-position rate): then it does not draft (n-gram lookups and chains for
         sixteen requests cost ~5% of a step), except one step in EXPLORE_EVERY, so that its
-        rates keep learning."""
+        rates keep learning. A grammar's forced tokens are drafted either way."""
         payback = running.payback
         if payback is not None and not payback.allows(running.req.cache.length):
             running.req.stats.paused_rounds += 1  # its drafting lost to plain steps lately
-            return NO_SHAPE, EMPTY_DRAFT, EMPTY_DRAFT
+            return with_forced(running.req, (NO_SHAPE, EMPTY_DRAFT, EMPTY_DRAFT))
         best = running.req.gate.first_rate()
         if best is not None and floor > 0 and best <= floor:
             running.idle += 1
             if running.idle < EXPLORE_EVERY:
-                return NO_SHAPE, EMPTY_DRAFT, EMPTY_DRAFT
+                return with_forced(running.req, (NO_SHAPE, EMPTY_DRAFT, EMPTY_DRAFT))
         running.idle = 0
         return propose(running.req, price)
 

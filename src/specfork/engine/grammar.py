@@ -126,6 +126,17 @@ class GrammarState:
         self._spent(time.perf_counter() - t0)
         return result
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next (llguidance's fast-forward tokens: the
+        bytes every continuation starts with, tokenized as the model's tokenizer would), or []
+        when the next token is open (or the grammar is complete)."""
+        if limit < 1 or self.matcher.is_stopped():
+            return []
+        t0 = time.perf_counter()
+        tokens = self.matcher.compute_ff_tokens()[:limit]
+        self.mask_seconds += time.perf_counter() - t0
+        return tokens
+
     def advance(self, tokens: list[int]) -> list[int]:
         """Consume a round's emitted tokens (each one the masks allowed); returns them up to
         the one that completes the grammar (nothing may follow it)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specfork.drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftShape, Feedback
+from specfork.engine.forced import is_forced, with_forced
 from specfork.engine.request import Request
 from specfork.engine.stats import RoundRecord
 from specfork.kernels.sample_rows import fast_probabilities, fast_sample, fast_sample_at
@@ -128,8 +129,14 @@ def constrained(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 def propose(req: Request, overhead: float = 0.0) -> tuple[DraftShape, Draft, Draft]:
     """The policy's shape fitted to the request, the drafter's proposal, and what the goodput
-    gate keeps of it (shape, proposed, draft). `overhead`: what verifying a draft adds to the
+    gate keeps of it (shape, proposed, draft); the tokens a grammar forces instead, when the
+    draft does not cover them (`engine.forced`). `overhead`: what verifying a draft adds to the
     round in host work, in one-row forwards (`engine.overhead`)."""
+    return with_forced(req, drafted(req, overhead))
+
+
+def drafted(req: Request, overhead: float = 0.0) -> tuple[DraftShape, Draft, Draft]:
+    """`propose` without the grammar's forced tokens."""
     if req.drafter is None or req.policy is None:
         return NO_SHAPE, EMPTY_DRAFT, EMPTY_DRAFT
     t0 = time.perf_counter()
@@ -218,7 +225,8 @@ def commit(
     rows = torch.tensor([req.history[-1], *draft.tokens.tolist()], device=logits.device)
     wanted = logits if req.drafter.wants_logits else None
     committed = len(req.history) + verdict.accepted
-    req.drafter.observe(Feedback(committed, rows, verdict.path, wanted, hidden))
+    own = not is_forced(draft)
+    req.drafter.observe(Feedback(committed, rows, verdict.path, wanted, hidden, own=own))
 
 
 def learn(

@@ -1,0 +1,127 @@
+"""Drafting the tokens a grammar forces (engine/forced.py): what is forced, exactness of every
+strategy with and without them, seeded sampling, and drafters told when a round verified
+tokens that were not theirs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specfork import Constraint, GenerationConfig, Generator, SamplingParams, load_model
+from specfork.config import SpecConfig
+from specfork.drafters.base import DraftShape, Feedback
+from specfork.drafters.model import ModelDrafter
+from specfork.engine.grammar import GrammarState, grammar_tokenizer
+from specfork.loading.loader import LoadedModel
+from tiny_models import tiny_chat_llama
+
+# a record whose keys and punctuation the grammar forces, values left to the model
+RECORD = r'\{"name": "[a-z]{1,6}", "size": [0-9]{1,3}, "kind": "(cat|dog|bird)"\}'
+SPECS = {
+    "ngram": SpecConfig("speculative", k=4),
+    "suffix": SpecConfig("speculative", drafter="suffix"),
+    "dspark": SpecConfig("dspark"),
+    "spork": SpecConfig("spork", drafter="recycle+ngram"),
+    "self": SpecConfig("speculative", drafter="self", self_layers="0-0", k=3, goodput=False),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A 2-layer random Llama with a byte-level tokenizer (one token per byte)."""
+    folder: Path = tiny_chat_llama(tmp_path_factory.mktemp("tiny-forced"), seed=5, eos_token_id=258)
+    return load_model(str(folder), dtype="float32", device="cpu", progress=False)
+
+
+def _state(loaded: LoadedModel, pattern: str) -> GrammarState:
+    vocab = loaded.config.vocab_size
+    return GrammarState(
+        Constraint.regex(pattern), grammar_tokenizer(loaded.tokenizer, vocab), vocab
+    )
+
+
+def _ids(loaded: LoadedModel, text: str) -> list[int]:
+    return loaded.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_forced_tokens_are_the_bytes_every_continuation_starts_with(tiny: LoadedModel) -> None:
+    state = _state(tiny, RECORD)
+    assert state.forced(64) == _ids(tiny, '{"name": "')
+    assert state.forced(3) == _ids(tiny, '{"n')  # at most `limit`
+    assert state.forced(0) == []
+    state.advance(_ids(tiny, '{"name": "ab'))
+    assert state.forced(64) == []  # the name goes on or ends: open
+    state.advance(_ids(tiny, '"'))
+    assert state.forced(64) == _ids(tiny, ', "size": ')
+    state.advance(_ids(tiny, ', "size": 7, "kind": "'))
+    assert state.forced(64) == []  # cat, dog or bird
+    state.advance(_ids(tiny, "b"))
+    assert state.forced(64) == _ids(tiny, 'ird"}')
+    state.advance(_ids(tiny, 'ird"}'))
+    assert state.forced(64) == []  # complete: nothing is drafted past the end
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_every_strategy_equals_constrained_plain_with_and_without_forced_drafts(
+    tiny: LoadedModel,
+) -> None:
+    config = GenerationConfig(max_new_tokens=80, constraint=Constraint.regex(RECORD))
+    prompts = ["Give a record.", "Another record, please.", "A third one."]
+    plain = Generator(tiny)
+    refs = [plain.generate(p, config=config) for p in prompts]
+    assert all(r.finish_reason == "stop" for r in refs)
+    assert all(r.stats.by_source == {} for r in refs)  # plain decoding never drafts them
+    for name, spec in SPECS.items():
+        for on in (True, False):
+            gen = Generator(tiny, spec=SpecConfig(**{**_fields(spec), "grammar_drafts": on}))
+            drafted = accepted = 0
+            for prompt, ref in zip(prompts, refs, strict=True):
+                got = gen.generate(prompt, config=config)
+                assert got.token_ids == ref.token_ids, (name, on, prompt)
+                d, a = got.stats.by_source.get("grammar", [0, 0])
+                drafted, accepted = drafted + d, accepted + a
+            if on:  # the keys and punctuation came from the grammar, and were accepted
+                assert accepted >= 10 and accepted == drafted, (name, drafted, accepted)
+            else:
+                assert drafted == 0, name
+
+
+def _fields(spec: SpecConfig) -> dict:
+    names = ("strategy", "drafter", "k", "self_layers", "goodput")
+    return {n: getattr(spec, n) for n in names}
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_seeded_sampling_with_forced_drafts_equals_plain_sampling(tiny: LoadedModel) -> None:
+    """With a seed every position's draw is keyed to it, so any lossless strategy gives plain
+    sampling's very output: forced drafts accepted by the sampling rule change nothing."""
+    config = GenerationConfig(max_new_tokens=60, constraint=Constraint.regex(RECORD))
+    plain, spec = Generator(tiny), Generator(tiny, spec=SPECS["suffix"])
+    forced = 0
+    for seed in range(12):
+        sampling = SamplingParams(temperature=1.0, seed=seed)
+        ref = plain.generate("Give a record.", config=config, sampling=sampling)
+        got = spec.generate("Give a record.", config=config, sampling=sampling)
+        assert got.token_ids == ref.token_ids, seed
+        forced += got.stats.by_source.get("grammar", [0, 0])[1]
+    assert forced > 0
+
+
+def test_a_model_drafter_drops_its_cached_draft_when_the_round_was_not_its_own(
+    tiny: LoadedModel,
+) -> None:
+    history = _ids(tiny, "Give a record.")
+    drafter = ModelDrafter(tiny.model, layers=[0], name="self").begin(history)
+    draft = drafter.propose(history, DraftShape(4), SamplingParams(), torch.Generator())
+    assert len(draft) == 4 and drafter.cache is not None
+    cached = drafter.cache.length  # the history and the draft's first tokens
+    assert cached > len(history)
+    rows = torch.tensor([history[-1], 11, 12])  # root and two forced tokens, both accepted
+    own = Feedback(len(history) + 2, rows, [0, 1])
+    other = Feedback(len(history) + 2, rows, [0, 1], own=False)
+    drafter.observe(own)
+    assert drafter.cache.length == min(cached, len(history) + 2)  # kept as its own tokens
+    drafter.observe(other)
+    assert drafter.cache.length == len(history) - 1  # from the round's root on: dropped
