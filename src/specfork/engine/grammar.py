@@ -133,7 +133,9 @@ class GrammarState:
         if limit < 1 or self.matcher.is_stopped():
             return []
         t0 = time.perf_counter()
-        tokens = self.matcher.compute_ff_tokens()[:limit]
+        # the forced bytes first: ~2 µs where the next byte is open (most steps), against
+        # ~15 µs for tokenizing them; the parser's work is shared with the next mask
+        tokens = self.matcher.compute_ff_tokens()[:limit] if self.matcher.compute_ff_bytes() else []
         self.mask_seconds += time.perf_counter() - t0
         return tokens
 
