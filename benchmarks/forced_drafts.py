@@ -8,7 +8,8 @@ the first user turn, and the output constrained to one call (`call_schema`). Eve
 runs on a Generator of its own (a suffix index learns from the earlier prompts of its own
 variant only), prompt by prompt with the variants interleaved, after one warm-up request
 each; greedy unless `--temperature`. Speedup: decode tokens/s over plain decoding's on the
-same prompt, the median over prompts; every variant's output is compared with plain
+same prompt, the median over prompts, and over all tokens (every prompt's tokens over every
+prompt's decode seconds, against plain decoding's); every variant's output is compared with plain
 decoding's (greedy: token for token; sampled outputs differ by design).
 
     python benchmarks/forced_drafts.py [--max-new-tokens 128] [--temperature 0.0]
@@ -49,6 +50,9 @@ class Tally:
     matches: int = 0
     runs: int = 0
     grammar: list[int] = field(default_factory=lambda: [0, 0])  # drafted, accepted
+    seconds: float = 0.0  # decode seconds, summed over prompts
+    tokens: int = 0
+    forwards: int = 0
 
 
 def requests() -> list[tuple[str, list[dict[str, str]], list[Tool]]]:
@@ -112,19 +116,27 @@ def main() -> None:
             plain_speed = plain.stats.decode_tokens_per_second
             tally.speedups.append(stats.decode_tokens_per_second / plain_speed)
             tally.tokens_per_forward.append(stats.mean_accepted_length)
+            tally.seconds += stats.new_tokens / stats.decode_tokens_per_second
+            tally.tokens += stats.new_tokens
+            tally.forwards += stats.target_forwards
             drafted, accepted = stats.by_source.get("grammar", [0, 0])
             tally.grammar[0] += drafted
             tally.grammar[1] += accepted
         log.info("%s: %s", name, plain.text[:100])
     print(f"{len(work) - 1} prompts (after 1 warm-up), temperature {args.temperature}")
-    print("| variant | speedup | tokens/forward | same output as ar | grammar drafted / accepted |")
-    print("|---|---|---|---|---|")
+    print(
+        "| variant | speedup (median) | speedup (all tokens) | tokens/forward (median) | "
+        "forwards/tokens | same output as ar | grammar drafted / accepted |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    plain = tallies["ar"]
     for variant, t in tallies.items():
         same = f"{t.matches}/{t.runs}" if sampling.greedy else "n/a (sampled)"
+        overall = (t.tokens / t.seconds) / (plain.tokens / plain.seconds)
         print(
-            f"| {variant} | {statistics.median(t.speedups):.2f}× | "
-            f"{statistics.median(t.tokens_per_forward):.2f} | {same} | "
-            f"{t.grammar[0]} / {t.grammar[1]} |"
+            f"| {variant} | {statistics.median(t.speedups):.2f}× | {overall:.2f}× | "
+            f"{statistics.median(t.tokens_per_forward):.2f} | {t.forwards}/{t.tokens} | "
+            f"{same} | {t.grammar[0]} / {t.grammar[1]} |"
         )
 
 

@@ -11,8 +11,12 @@ import torch
 
 from specfork import Constraint, GenerationConfig, Generator, SamplingParams, load_model
 from specfork.config import SpecConfig
-from specfork.drafters.base import DraftShape, Feedback
+from specfork.drafters.base import Draft, DraftShape, Feedback, follow
+from specfork.drafters.fallback import FallbackDrafter
 from specfork.drafters.model import ModelDrafter
+from specfork.drafters.ngram import NgramDrafter
+from specfork.drafters.suffix import SuffixDrafter
+from specfork.drafters.suffix_index import SuffixIndex, SuffixLimits
 from specfork.engine.grammar import GrammarState, grammar_tokenizer
 from specfork.loading.loader import LoadedModel
 from tiny_models import tiny_chat_llama
@@ -125,3 +129,77 @@ def test_a_model_drafter_drops_its_cached_draft_when_the_round_was_not_its_own(
     assert drafter.cache.length == min(cached, len(history) + 2)  # kept as its own tokens
     drafter.observe(other)
     assert drafter.cache.length == len(history) - 1  # from the round's root on: dropped
+
+
+# ----------------------------------------------------------------------------- follow
+
+
+def test_ngram_follow_reads_past_a_tail_without_learning_it() -> None:
+    drafter = NgramDrafter(max_ngram=3).begin([])
+    history = [5, 6, 7, 8, 9, 1, 2, 5, 6]
+    assert follow(drafter, history, [7], 3).tokens.tolist() == [8, 9, 1]  # after 5 6 7
+    assert follow(drafter, history, [7, 8, 9], 9).tokens.tolist() == [1, 2, 5, 6]
+    assert follow(drafter, history, [3], 3).tokens.tolist() == []  # 3 never occurred
+    assert follow(drafter, history, [7], 0).tokens.tolist() == []
+    shape = DraftShape(2)
+    after = drafter.propose(history, shape, SamplingParams(), torch.Generator())
+    assert after.tokens.tolist() == [7, 8]  # the tail was not indexed as history
+
+
+def test_suffix_follow_only_reads_the_shared_index() -> None:
+    index = SuffixIndex(SuffixLimits())
+    earlier = SuffixDrafter(index).begin([1, 2, 3, 4, 5, 6, 7])
+    earlier.propose([1, 2, 3, 4, 5, 6, 7], DraftShape(1), SamplingParams(), torch.Generator())
+    mine = SuffixDrafter(index).begin([9, 9, 1, 2])
+    tokens = index.tokens
+    draft = follow(mine, [9, 9, 1, 2], [3, 4], 3)
+    assert draft.tokens.tolist() == [5, 6, 7] and draft.source.startswith("suffix-")
+    assert index.tokens == tokens  # nothing was indexed
+    assert follow(
+        FallbackDrafter([NgramDrafter(), mine]), [9, 9, 1, 2], [3, 4], 2
+    ).tokens.tolist() == [5, 6]
+
+
+def test_a_drafter_without_follow_gives_nothing_after_a_tail() -> None:
+    class Plain:
+        name, cost, wants_logits, hidden_layers = "plain", 0.0, False, ()
+
+    assert len(follow(Plain(), [1, 2, 3], [4], 5)) == 0  # type: ignore[arg-type]
+
+
+class _SpyNgram(NgramDrafter):
+    """An n-gram drafter that records what it was asked to follow and what it was told."""
+
+    def __init__(self, log: list | None = None) -> None:
+        super().__init__(max_ngram=3)
+        self.log = [] if log is None else log
+
+    def begin(self, prompt_ids: list[int]) -> _SpyNgram:
+        return _SpyNgram(self.log)
+
+    def follow(self, history: list[int], tail: list[int], depth: int) -> Draft:
+        draft = super().follow(history, tail, depth)
+        self.log.append(("follow", list(tail), draft.tokens.tolist()))
+        return draft
+
+    def observe(self, feedback: Feedback) -> None:
+        self.log.append(("observe", feedback.own, feedback.tokens.tolist()))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_drafter_continues_past_the_forced_tokens_in_the_same_round(
+    tiny: LoadedModel,
+) -> None:
+    config = GenerationConfig(max_new_tokens=80, constraint=Constraint.regex(RECORD))
+    prompt = 'Like {"name": "rex", "size": 12, "kind": "dog"}, give a record.'
+    ref = Generator(tiny).generate(prompt, config=config)
+    spy = _SpyNgram()
+    spec = SpecConfig("speculative", k=8, goodput=False)
+    got = Generator(tiny, spec=spec, drafter=spy).generate(prompt, config=config)
+    assert got.token_ids == ref.token_ids
+    followed = [(tail, out) for kind, tail, out in spy.log if kind == "follow" and out]
+    assert followed, spy.log  # after '{"name": "' the prompt's record goes on with 'rex"'
+    verified = [rows for kind, own, rows in spy.log if kind == "observe" and not own]
+    assert any(
+        rows[1 : 1 + len(tail) + 1] == tail + out[:1] for tail, out in followed for rows in verified
+    )  # a round's rows: the root, the forced tokens, then the drafter's continuation

@@ -271,6 +271,17 @@ class Drafter(Protocol):
         """Learn what the target's forward decided; forget anything past `committed`."""
 
 
+def follow(drafter: Drafter, history: list[int], tail: list[int], depth: int) -> Draft:
+    """A chain of at most `depth` tokens that `drafter` expects after `history` + `tail`,
+    where `tail` is not history yet (tokens a grammar forces, about to be verified): read from
+    what the drafter has learned without learning `tail`. Optional: a drafter without a
+    `follow` method (one that would have to run a model) gives the empty draft."""
+    method = getattr(drafter, "follow", None)
+    if method is None or depth < 1:
+        return EMPTY_DRAFT
+    return method(history, tail, depth)
+
+
 def start(drafter: Drafter, prompt_ids: list[int]) -> Drafter:
     """The drafter of a request that begins with `prompt_ids` (`Drafter.begin`)."""
     session = drafter.begin(prompt_ids)

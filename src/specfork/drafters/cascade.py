@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from specfork.config import SamplingParams
-from specfork.drafters.base import Draft, Drafter, DraftShape, Feedback, own_feedback, start
+from specfork.drafters.base import (
+    Draft,
+    Drafter,
+    DraftShape,
+    Feedback,
+    follow,
+    own_feedback,
+    start,
+)
 
 if TYPE_CHECKING:
     from specfork.drafters.head import HeadDrafter
@@ -72,6 +80,11 @@ class CascadeDrafter:
                 return proposal
             draft = checked
         return dataclasses.replace(draft, source=self.name) if len(draft) else draft
+
+    def follow(self, history: list[int], tail: list[int], depth: int) -> Draft:
+        """The free stage's chain after history + `tail` (`base.follow`), unchecked: the head
+        would have to read the tail first."""
+        return follow(self.proposer, history, tail, depth)
 
     def observe(self, feedback: Feedback) -> None:
         """Both stages hear the forward (each with the hidden states of its own layers)."""

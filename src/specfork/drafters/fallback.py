@@ -23,6 +23,7 @@ from specfork.drafters.base import (
     Drafter,
     DraftShape,
     Feedback,
+    follow,
     own_feedback,
     start,
 )
@@ -52,6 +53,14 @@ class FallbackDrafter:
             draft = source.propose(history, shape, sampling, rng)
             if len(draft):
                 return dataclasses.replace(draft, source=self.name) if source.cost > 0 else draft
+        return EMPTY_DRAFT
+
+    def follow(self, history: list[int], tail: list[int], depth: int) -> Draft:
+        """The first source's non-empty chain after history + `tail` (`base.follow`)."""
+        for source in self.sources:
+            draft = follow(source, history, tail, depth)
+            if len(draft):
+                return draft
         return EMPTY_DRAFT
 
     def observe(self, feedback: Feedback) -> None:

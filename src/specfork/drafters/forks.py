@@ -24,7 +24,16 @@ from __future__ import annotations
 import torch
 
 from specfork.config import SamplingParams
-from specfork.drafters.base import Draft, Drafter, DraftShape, Feedback, own_feedback, start
+from specfork.drafters.base import (
+    EMPTY_DRAFT,
+    Draft,
+    Drafter,
+    DraftShape,
+    Feedback,
+    follow,
+    own_feedback,
+    start,
+)
 from specfork.drafters.recycle import RecycleTable
 from specfork.tree import Tree, TreeBuilder, node_scores, prune_lists
 
@@ -75,6 +84,15 @@ class ForkDrafter:
             prior=self.prior,
             table=self.table if self.persist else None,
         )
+
+    def follow(self, history: list[int], tail: list[int], depth: int) -> Draft:
+        """The first chain source's non-empty chain after history + `tail` (`base.follow`;
+        the recycle table's guesses are one token's, too weak for a chain)."""
+        for source in self.chains.values():
+            draft = follow(source, history, tail, depth)
+            if len(draft):
+                return draft
+        return EMPTY_DRAFT
 
     def observe(self, feedback: Feedback) -> None:
         """The recycle table learns the target's logits; every source hears the feedback."""

@@ -52,13 +52,22 @@ class NgramDrafter:
     ) -> Draft:
         """A chain of up to `shape.depth` tokens (prior score 1 each: a certain guess)."""
         self._catch_up(history)
-        end = len(history)
+        return self._lookup(history, history, shape.depth)
+
+    def follow(self, history: list[int], tail: list[int], depth: int) -> Draft:
+        """The chain after the latest earlier occurrence of the longest suffix of history +
+        `tail` (`base.follow`); `tail` is not indexed."""
+        self._catch_up(history)
+        return self._lookup(history + tail, history, depth)
+
+    def _lookup(self, context: list[int], history: list[int], depth: int) -> Draft:
+        """Up to `depth` tokens of the indexed `history` after the latest occurrence of the
+        longest suffix of `context` (n from max_ngram down to min_ngram)."""
+        end = len(context)
         for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
-            start = self._latest[n].get(tuple(history[end - n :]))
+            start = self._latest[n].get(tuple(context[end - n :]))
             if start is not None:
-                tokens = torch.tensor(
-                    history[start + n : start + n + shape.depth], dtype=torch.long
-                )
+                tokens = torch.tensor(history[start + n : start + n + depth], dtype=torch.long)
                 scores = torch.ones(len(tokens), dtype=torch.float64)  # [K]
                 return chain_draft(tokens, scores=scores, source=f"ngram-{n}")
         return chain_draft(torch.empty(0, dtype=torch.long))

@@ -108,11 +108,23 @@ class SuffixDrafter:
             if local is not None and local.length >= found.match:
                 own = self._own(local, depth)
                 found = own if chain else _merged(own, found, shape.max_nodes)
-        if not found.tokens:
-            return EMPTY_DRAFT
-        scores = torch.tensor(found.scores, dtype=torch.float64)  # [N]
-        source = f"suffix-{next(b for b in _MATCH_BUCKETS if found.match >= b)}"
-        return Draft(Tree(found.tokens, found.parents), None, scores, 0, source)
+        return _draft(found)
+
+    def follow(self, history: list[int], tail: list[int], depth: int) -> Draft:
+        """The index's chain after history + `tail` (`base.follow`): the index only read, so
+        `tail` is neither indexed nor matched within the request's own text beyond the index."""
+        self._sync(history)
+        s = self.settings
+        found = self.index.propose(
+            history + tail,
+            max_match=s.max_match,
+            max_nodes=depth,
+            max_depth=depth,
+            spec_factor=s.spec_factor,
+            min_prob=s.min_prob,
+            chain=True,
+        )
+        return _draft(found)
 
     def _own(self, local: LocalMatch, depth: int) -> Proposal:
         """The chain after the latest occurrence of the history's longest suffix in the
@@ -157,6 +169,16 @@ class SuffixDrafter:
             self._open(list(history))
         elif len(history) > self._length:
             self._append(history[self._length :])
+
+
+def _draft(found: Proposal) -> Draft:
+    """A proposal as a draft labelled by its match length's bucket (prior score: the path's
+    probability)."""
+    if not found.tokens:
+        return EMPTY_DRAFT
+    scores = torch.tensor(found.scores, dtype=torch.float64)  # [N]
+    source = f"suffix-{next(b for b in _MATCH_BUCKETS if found.match >= b)}"
+    return Draft(Tree(found.tokens, found.parents), None, scores, 0, source)
 
 
 def _merged(own: Proposal, found: Proposal, max_nodes: int) -> Proposal:

@@ -11,8 +11,11 @@ source. Lossless as any draft: greedy keeps the target's argmax; sampling accept
 deterministic draft token x with probability p(x) and otherwise draws from the residual.
 
 The drafter's own proposal stays when it is a chain that already starts with the forced tokens
-and goes on past them; otherwise the forced chain is verified instead, and the drafter is told
-so (`Feedback.own`). Plain decoding (`ar`, no drafter) never drafts them: it is the baseline;
+and goes on past them. Otherwise the forced chain is verified instead, continued by what the
+drafter expects after them (`drafters.base.follow`: n-gram and suffix lookups read without
+learning the forced tokens; a drafter that would have to run a model gives nothing), trimmed by
+the gate by that source's own rates; the drafter is told that the round was not its proposal
+(`Feedback.own`). Plain decoding (`ar`, no drafter) never drafts them: it is the baseline;
 `SpecConfig(grammar_drafts=False)` (`--no-grammar-drafts`) turns them off.
 """
 
@@ -22,8 +25,9 @@ import time
 
 import torch
 
-from specfork.drafters.base import Draft, DraftShape, chain_draft
+from specfork.drafters.base import Draft, DraftShape, chain_draft, follow
 from specfork.engine.request import Request
+from specfork.tree import chain
 
 SOURCE = "grammar"
 MOST = 16  # forced tokens verified in one round at most
@@ -39,14 +43,28 @@ def with_forced(
         return proposal
     t0 = time.perf_counter()
     shape, _, draft = proposal
-    tokens = req.grammar.forced(min(MOST, req.room - 1))
+    most = min(MOST, req.room - 1)
+    tokens = req.grammar.forced(most)
     if not tokens or _covers(draft, tokens):
         req.stats.spend("draft", t0)
         return proposal
     forced = chain_draft(torch.tensor(tokens, dtype=torch.long), source=SOURCE)
     kept = req.gate.trim(forced, False)
+    if len(kept) == len(forced):  # the drafter goes on past them, as far as its gate says
+        after = follow(req.drafter, req.history, tokens, most - len(tokens))
+        kept = joined(kept, req.gate.trim(after, False) if len(after) else after)
     req.stats.spend("draft", t0)
     return (shape, forced, kept) if len(kept) else proposal
+
+
+def joined(forced: Draft, after: Draft) -> Draft:
+    """The chain `forced` then `after`, each node labelled with its own source."""
+    if not len(after):
+        return forced
+    tokens = torch.cat([forced.tokens, after.tokens.to(forced.tokens.device)])  # [F + A]
+    origins = tuple(forced.origin(i) for i in range(len(forced)))
+    origins += tuple(after.origin(i) for i in range(len(after)))
+    return Draft(chain(tokens), source=SOURCE, origins=origins)
 
 
 def _covers(draft: Draft, tokens: list[int]) -> bool:
