@@ -25,7 +25,7 @@ from specfork.strategies.goodput import (
     best_length,
     would_accept,
 )
-from specfork.tree import Tree
+from specfork.tree import Tree, chain
 from specfork.verify import Verdict
 
 FLAT = CostCurve((1, 32), (1.0, 1.0))  # extra rows free
@@ -138,6 +138,15 @@ def test_the_chain_gate_through_its_protocol() -> None:
     assert gate.first_rate() == pytest.approx(rates[0]) and rates[0] > 0.9
     assert gate.depth_for("model", 3, 0.0) == 0  # linear cost: a prior model does not pay
     assert GoodputGate(FLAT).depth_for("model", 3, 0.0) == 3  # free rows: it does
+    # a chain joined from two sources (forced tokens, then a drafter's): each run of nodes by
+    # its own source's rates from that source's first position
+    joined = Draft(
+        chain([1, 2, 4, 5]), source="grammar", origins=("grammar",) * 2 + ("ngram-3",) * 2
+    )
+    prior = gate.stats.rates("grammar", 2)
+    forced = prior[0] * prior[1]
+    expected = [prior[0], forced, forced * rates[0], forced * rates[0] * rates[1]]
+    assert gate.values(joined, [0, 1, 2, 3]) == pytest.approx(expected)
     assert gate.depth_for("model", 0, 0.0) is None
     tree = Draft(Tree(torch.tensor([4, 5]), torch.tensor([-1, -1])), source="forks")
     assert gate.values(tree, [0, 1]) is None

@@ -519,7 +519,10 @@ def test_a_required_tool_call_is_a_valid_call_under_every_strategy(served: Serve
     ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
     body = {"messages": ask, "tools": [TOOL, TIME_TOOL], "tool_choice": "required"}
     calls = []
-    for speculative in (None, {"strategy": "spork", "drafter": "recycle+ngram"}):
+    spork = {"strategy": "spork", "drafter": "recycle+ngram"}
+    suffix = {"strategy": "speculative", "drafter": "suffix"}  # drafts what the grammar forces
+    unforced = {"strategy": "speculative", "drafter": "ngram", "grammar_drafts": False}
+    for speculative in (None, spork, suffix, unforced):
         choice = _tool_call(served, body, speculative)
         assert choice["finish_reason"] == "tool_calls"
         (call,) = choice["message"]["tool_calls"]
@@ -529,7 +532,7 @@ def test_a_required_tool_call_is_a_valid_call_under_every_strategy(served: Serve
         if call["function"]["name"] == "get_weather":
             assert isinstance(arguments["city"], str)
         calls.append(call["function"])
-    assert calls[0] == calls[1]
+    assert calls[1:] == calls[:1] * 3
     named = {"type": "function", "function": {"name": "get_time"}}
     choice = _tool_call(served, {**body, "tool_choice": named})
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_time"

@@ -301,13 +301,16 @@ class GoodputGate:
         return proposed.head(self.length(proposed.source, len(proposed)))
 
     def values(self, draft: Draft, order: list[int]) -> list[float] | None:
-        """A chain's nodes: the product of its source's rates up to each."""
+        """A chain's nodes: the product of the rates up to each, every run of nodes from one
+        source (a chain joined from several, `origins`) by that source's own rates from its
+        first position."""
         if not draft.is_chain:
             return None
         out, p = [], 1.0
-        for a in self.stats.rates(draft.source, len(draft)):
-            p *= a
-            out.append(p)
+        for source, length in _runs(draft):
+            for a in self.stats.rates(source, length):
+                p *= a
+                out.append(p)
         return out
 
     def learn(self, proposed: Draft, draft: Draft, verdict: Verdict, costly: bool) -> None:
@@ -523,6 +526,19 @@ class TreeGate:
     def at_context(self, tokens: int, overhead: float = 0.0) -> None:
         self.cost = self.curve.at(tokens)
         self.overhead = overhead
+
+
+def _runs(draft: Draft) -> list[tuple[str, int]]:
+    """A chain's runs of consecutive nodes from one source: (source, length), in order."""
+    if not draft.origins:
+        return [(draft.source, len(draft))] if len(draft) else []
+    runs: list[tuple[str, int]] = []
+    for origin in draft.origins:
+        if runs and runs[-1][0] == origin:
+            runs[-1] = (origin, runs[-1][1] + 1)
+        else:
+            runs.append((origin, 1))
+    return runs
 
 
 def _origins(draft: Draft) -> list[str]:
