@@ -19,6 +19,7 @@ from specfork.drafters.suffix import SuffixDrafter
 from specfork.drafters.suffix_index import SuffixIndex, SuffixLimits
 from specfork.engine.grammar import GrammarState, grammar_tokenizer
 from specfork.loading.loader import LoadedModel
+from specfork.strategies.policies import RoundInfo
 from tiny_models import tiny_chat_llama
 
 # a record whose keys and punctuation the grammar forces, values left to the model
@@ -203,3 +204,39 @@ def test_the_drafter_continues_past_the_forced_tokens_in_the_same_round(
     assert any(
         rows[1 : 1 + len(tail) + 1] == tail + out[:1] for tail, out in followed for rows in verified
     )  # a round's rows: the root, the forced tokens, then the drafter's continuation
+
+
+class _SpyPolicy:
+    """A constant draft length of 4 that records what every round told it."""
+
+    name = "spy"
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def begin(self) -> _SpyPolicy:
+        return self
+
+    def next_shape(self, generated: int) -> DraftShape:
+        return DraftShape(4)
+
+    def update(self, info: RoundInfo) -> None:
+        self.seen.append((info.drafted, info.accepted))
+
+    def trace(self) -> dict:
+        return {}
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_policy_learns_from_its_drafter_rounds_only(tiny: LoadedModel) -> None:
+    """Rounds that verified forced tokens tell the policy it drafted nothing: DSpark's EMA,
+    SPORK's forks and HF's heuristic K must not rise on the grammar's certainties."""
+    config = GenerationConfig(max_new_tokens=80, constraint=Constraint.regex(RECORD))
+    policy = _SpyPolicy()
+    spec = SpecConfig("speculative", k=4, goodput=False)
+    got = Generator(tiny, spec=spec, policy=policy).generate("Give a record.", config=config)
+    assert len(policy.seen) == len(got.stats.rounds)
+    grammar = got.stats.by_source["grammar"][0]
+    assert grammar > 0  # the grammar drafted in some rounds, which the policy did not see
+    assert sum(d for d, _ in policy.seen) + grammar <= got.stats.drafted
+    assert all(a <= d for d, a in policy.seen)

@@ -247,9 +247,8 @@ def learn(
     if req.drafter is not None and req.policy is not None:
         observe_gate(req, proposed, draft, verdict)
         req.stats.draft_forwards += draft.forwards
-        fork = _fork(draft, verdict)
         emitted = req.generated + len(verdict.tokens)
-        req.policy.update(RoundInfo(len(draft), verdict.accepted, emitted, logits, fork, depth))
+        req.policy.update(_policy_info(draft, verdict, emitted, logits, depth))
         extra = {**req.policy.trace(), "proposed": len(proposed)}  # before the gate
         if req.spec.lossy_typical:
             extra["lossy"] = True
@@ -266,6 +265,17 @@ def learn(
             extra,
         )
     )
+
+
+def _policy_info(
+    draft: Draft, verdict: Verdict, emitted: int, logits: torch.Tensor, depth: int
+) -> RoundInfo:
+    """What the policy learns from a round: its drafter's draft and what of it was accepted;
+    a round that verified the grammar's forced tokens instead counts as one without a draft
+    (the policy's drafter proposed nothing that was verified)."""
+    if is_forced(draft):
+        return RoundInfo(0, 0, emitted, logits)
+    return RoundInfo(len(draft), verdict.accepted, emitted, logits, _fork(draft, verdict), depth)
 
 
 def _fork(draft: Draft, verdict: Verdict) -> int | None:
