@@ -4,11 +4,13 @@ tokens that were not theirs."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from cli_run import run_cli
 from specfork import Constraint, GenerationConfig, Generator, SamplingParams, load_model
 from specfork.config import SpecConfig
 from specfork.drafters.base import Draft, DraftShape, Feedback, follow
@@ -34,10 +36,14 @@ SPECS = {
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama with a byte-level tokenizer (one token per byte)."""
-    folder: Path = tiny_chat_llama(tmp_path_factory.mktemp("tiny-forced"), seed=5, eos_token_id=258)
-    return load_model(str(folder), dtype="float32", device="cpu", progress=False)
+    return tiny_chat_llama(tmp_path_factory.mktemp("tiny-forced"), seed=5, eos_token_id=258)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder: Path) -> LoadedModel:
+    return load_model(str(tiny_folder), dtype="float32", device="cpu", progress=False)
 
 
 def _state(loaded: LoadedModel, pattern: str) -> GrammarState:
@@ -240,3 +246,19 @@ def test_the_policy_learns_from_its_drafter_rounds_only(tiny: LoadedModel) -> No
     assert grammar > 0  # the grammar drafted in some rounds, which the policy did not see
     assert sum(d for d, _ in policy.seen) + grammar <= got.stats.drafted
     assert all(a <= d for d, a in policy.seen)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_cli_drafts_forced_tokens_unless_told_not_to(
+    tiny_folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = ["-m", str(tiny_folder), "--dtype", "float32", "-n", "80", "--regex", RECORD]
+    spec = ["--strategy", "speculative", "--drafter", "ngram", "-v"]
+    code, plain, _ = run_cli(capsys, ["generate", *model, "Give a record."])
+    assert code == 0
+    code, forced, err = run_cli(capsys, ["generate", *model, *spec, "Give a record."])
+    assert code == 0 and forced == plain
+    assert re.search(r"grammar \d+/\d+", err)  # the summary's drafts by source
+    off = [*spec, "--no-grammar-drafts"]
+    code, unforced, err = run_cli(capsys, ["generate", *model, *off, "Give a record."])
+    assert code == 0 and unforced == plain and not re.search(r"grammar \d+/\d+", err)
