@@ -20,7 +20,7 @@ from specfork.drafters.ngram import NgramDrafter
 from specfork.drafters.suffix import SuffixDrafter
 from specfork.drafters.suffix_index import SuffixIndex, SuffixLimits
 from specfork.engine.batch import BatchConfig, generate_batch
-from specfork.engine.grammar import GrammarState, grammar_tokenizer
+from specfork.engine.grammar import FORCED_BYTES, GrammarState, grammar_tokenizer
 from specfork.loading.loader import LoadedModel
 from specfork.strategies.policies import RoundInfo
 from tiny_models import tiny_chat_llama
@@ -280,3 +280,25 @@ def test_constrained_requests_batched_together_each_equal_their_plain_output(
         results = generate_batch(gen, prompts, config=config, batch=BatchConfig(max_running=4))
         assert [r.token_ids for r in results] == refs, name
         assert sum(r.stats.by_source.get("grammar", [0, 0])[1] for r in results) > 0, name
+
+
+def test_a_long_forced_literal_is_tokenized_a_prefix_at_a_time(tiny: LoadedModel) -> None:
+    """A literal of thousands of bytes (a long constant in a schema) is not tokenized whole
+    every round: a prefix of it is, less its last token, which the cut may have split."""
+    literal = "".join(f"w{i} " for i in range(700))  # ~3 kB, far over FORCED_BYTES
+    state = _state(tiny, re.escape(literal) + "[a-z]")
+    assert state.forced(16) == _ids(tiny, literal[:16])
+    state.advance(_ids(tiny, literal[:10]))
+    assert state.forced(300) == _ids(tiny, literal[10 : 10 + FORCED_BYTES - 1])
+    state.advance(_ids(tiny, literal[10:]))
+    assert state.forced(16) == []  # the letter after it is open
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_speculation_through_a_long_forced_literal_equals_plain(tiny: LoadedModel) -> None:
+    literal = "".join(f"w{i} " for i in range(40))
+    config = GenerationConfig(max_new_tokens=200, constraint=Constraint.regex(literal + "[a-z]+"))
+    ref = Generator(tiny).generate("Go.", config=config)
+    got = Generator(tiny, spec=SPECS["ngram"]).generate("Go.", config=config)
+    assert got.token_ids == ref.token_ids and got.text.startswith(literal)
+    assert got.stats.target_forwards < ref.stats.target_forwards // 4  # 16 forced a round

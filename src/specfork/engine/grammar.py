@@ -35,6 +35,7 @@ from specfork.tree import children, prune
 log = logging.getLogger(__name__)
 
 _BITS = torch.arange(8, dtype=torch.uint8)  # [8] bit positions within a byte
+FORCED_BYTES = 256  # forced bytes tokenized at most per round (a round drafts 16 at most)
 
 
 def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
@@ -71,6 +72,7 @@ class GrammarState:
         self.vocab = vocab
         self.words = (vocab + 31) // 32  # int32 words of one bitmask row
         self.matcher = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
+        self.tokenizer = tokenizer
         if self.matcher.is_error():
             raise ConstraintError(
                 f"the {constraint.describe()} constraint cannot be compiled for this model: "
@@ -135,9 +137,13 @@ class GrammarState:
         t0 = time.perf_counter()
         # the forced bytes first: ~2 µs where the next byte is open (most steps), against
         # ~15 µs for tokenizing them; the parser's work is shared with the next mask
-        tokens = self.matcher.compute_ff_tokens()[:limit] if self.matcher.compute_ff_bytes() else []
+        forced = self.matcher.compute_ff_bytes()
+        if len(forced) <= FORCED_BYTES:
+            tokens = self.matcher.compute_ff_tokens() if forced else []
+        else:  # a long literal (6 ms a round for 20 kB): a prefix, less its maybe cut last token
+            tokens = self.tokenizer.tokenize_bytes(forced[:FORCED_BYTES])[:-1]
         self.mask_seconds += time.perf_counter() - t0
-        return tokens
+        return tokens[:limit]
 
     def advance(self, tokens: list[int]) -> list[int]:
         """Consume a round's emitted tokens (each one the masks allowed); returns them up to
