@@ -43,8 +43,10 @@ class Nodes:
     def child(self, node: int, token: int) -> int:
         """The child of `node` for `token`, made (count 0) if missing."""
         found = self.get(node, token)
-        if found != NONE:
-            return found
+        return found if found != NONE else self.add(node, token)
+
+    def add(self, node: int, token: int) -> int:
+        """A new child of `node` for `token` (count 0), which has none yet."""
         made = self._new()
         more = self.more.get(node)
         if more is not None:
