@@ -16,6 +16,7 @@ from specfork.drafters.meter import CostMeter
 from specfork.engine.generator import Generator
 from specfork.loading.loader import LoadedModel
 from specfork.models.cost import CostCurve
+from specfork.models.cost_calibration import CostCalibration
 from specfork.strategies.goodput import (
     EXPLORE_EVERY,
     AcceptanceStats,
@@ -23,6 +24,7 @@ from specfork.strategies.goodput import (
     NoGate,
     TreeGate,
     best_length,
+    new_gate,
     would_accept,
 )
 from specfork.tree import Tree, chain
@@ -393,3 +395,15 @@ def test_a_position_never_reached_starts_from_the_one_before_it() -> None:
     assert rates[3:] == pytest.approx([rates[2]] * 5)  # not observed: position 3's rate
     assert gate.length("suffix-8", 8) >= 6
     assert gate.stats.rates("other", 3) == [0.5, 0.5, 0.5]  # a source never seen: the prior
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_gate_trims_before_it_knows_its_context(tree: bool) -> None:
+    """A gate holds the Generator's pricing (a `CostCalibration`) until its first
+    `at_context`; a round can trim before that (the grammar's forced tokens, drafted while the
+    drafter itself is paused), so trimming must price rows with it as they are."""
+    gate = new_gate(tree, CostCalibration(FLAT))
+    scores = torch.tensor([0.9, 0.8, 0.7], dtype=torch.float64)
+    scored = chain_draft(torch.tensor([4, 5, 6]), scores=scores, source="suffix-8")
+    assert len(gate.trim(scored, costly=False)) == 3  # free rows: all of it pays
+    assert len(gate.trim(chain_draft(torch.tensor([4, 5]), source="grammar"), costly=False)) == 2

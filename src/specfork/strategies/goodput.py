@@ -125,7 +125,9 @@ def best_length(
 
 def _costs(cost: CostCurve, most: int) -> tuple[float, ...]:
     """c(0..most) of a curve (memoised per curve: a gate asks every round, and interpolating
-    each size was most of a 16-token chain's trim, ~20 µs), or of any other pricing."""
+    each size was most of a 16-token chain's trim, ~20 µs), or of any other pricing (a
+    Generator's `CostCalibration`, which a gate holds until its first `at_context`: a round
+    can trim the grammar's forced tokens before any draft of its own set the context)."""
     if isinstance(cost, CostCurve):
         return cost.table(most)
     return tuple(cost(max(r, 1)) for r in range(most + 1))
@@ -443,7 +445,7 @@ class TreeGate:
         pay; every kept node's parent is kept."""
         values = self.node_values(scores, parents, origins)
         order = sorted(range(len(scores)), key=lambda i: (-values[i], i))
-        cost = self.cost.table(len(scores) + 1)
+        cost = _costs(self.cost, len(scores) + 1)
         best, best_value, expected = 0, 1.0 / cost[1], 1.0
         for n, node in enumerate(order, start=1):
             expected += values[node]
