@@ -11,6 +11,7 @@ row's hidden states, the logits of each distinct token's newest row).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -280,6 +281,17 @@ def follow(drafter: Drafter, history: list[int], tail: list[int], depth: int) ->
     if method is None or depth < 1:
         return EMPTY_DRAFT
     return method(history, tail, depth)
+
+
+def follow_first(
+    sources: Iterable[Drafter], history: list[int], tail: list[int], depth: int
+) -> Draft:
+    """The first non-empty `follow` chain of `sources`, asked in order (a composite's)."""
+    for source in sources:
+        draft = follow(source, history, tail, depth)
+        if len(draft):
+            return draft
+    return EMPTY_DRAFT
 
 
 def start(drafter: Drafter, prompt_ids: list[int]) -> Drafter:

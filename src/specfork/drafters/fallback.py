@@ -23,7 +23,7 @@ from specfork.drafters.base import (
     Drafter,
     DraftShape,
     Feedback,
-    follow,
+    follow_first,
     own_feedback,
     start,
 )
@@ -57,11 +57,7 @@ class FallbackDrafter:
 
     def follow(self, history: list[int], tail: list[int], depth: int) -> Draft:
         """The first source's non-empty chain after history + `tail` (`base.follow`)."""
-        for source in self.sources:
-            draft = follow(source, history, tail, depth)
-            if len(draft):
-                return draft
-        return EMPTY_DRAFT
+        return follow_first(self.sources, history, tail, depth)
 
     def observe(self, feedback: Feedback) -> None:
         """Every source hears the forward (with the hidden states of its own layers)."""

@@ -25,12 +25,11 @@ import torch
 
 from specfork.config import SamplingParams
 from specfork.drafters.base import (
-    EMPTY_DRAFT,
     Draft,
     Drafter,
     DraftShape,
     Feedback,
-    follow,
+    follow_first,
     own_feedback,
     start,
 )
@@ -88,11 +87,7 @@ class ForkDrafter:
     def follow(self, history: list[int], tail: list[int], depth: int) -> Draft:
         """The first chain source's non-empty chain after history + `tail` (`base.follow`;
         the recycle table's guesses are one token's, too weak for a chain)."""
-        for source in self.chains.values():
-            draft = follow(source, history, tail, depth)
-            if len(draft):
-                return draft
-        return EMPTY_DRAFT
+        return follow_first(self.chains.values(), history, tail, depth)
 
     def observe(self, feedback: Feedback) -> None:
         """The recycle table learns the target's logits; every source hears the feedback."""

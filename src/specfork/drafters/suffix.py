@@ -96,15 +96,7 @@ class SuffixDrafter:
         if chain and local is not None and local.length >= reach:
             found = self._own(local, depth)  # no match in the index can be longer
         else:
-            found = self.index.propose(
-                history,
-                max_match=s.max_match,
-                max_nodes=shape.max_nodes,
-                max_depth=shape.depth,
-                spec_factor=s.spec_factor,
-                min_prob=s.min_prob,
-                chain=chain,
-            )
+            found = self._from_index(history, shape.max_nodes, shape.depth, chain)
             if local is not None and local.length >= found.match:
                 own = self._own(local, depth)
                 found = own if chain else _merged(own, found, shape.max_nodes)
@@ -114,17 +106,20 @@ class SuffixDrafter:
         """The index's chain after history + `tail` (`base.follow`): the index only read, so
         `tail` is neither indexed nor matched within the request's own text beyond the index."""
         self._sync(history)
+        return _draft(self._from_index(history + tail, depth, depth, True))
+
+    def _from_index(self, context: list[int], max_nodes: int, depth: int, chain: bool) -> Proposal:
+        """The shared index's continuations of `context` by this drafter's settings."""
         s = self.settings
-        found = self.index.propose(
-            history + tail,
+        return self.index.propose(
+            context,
             max_match=s.max_match,
-            max_nodes=depth,
+            max_nodes=max_nodes,
             max_depth=depth,
             spec_factor=s.spec_factor,
             min_prob=s.min_prob,
-            chain=True,
+            chain=chain,
         )
-        return _draft(found)
 
     def _own(self, local: LocalMatch, depth: int) -> Proposal:
         """The chain after the latest occurrence of the history's longest suffix in the

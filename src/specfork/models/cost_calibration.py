@@ -34,8 +34,8 @@ REBUILD_EVERY = 8  # a band's curve is rebuilt after this many new forwards
 
 
 class CostCalibration:
-    """A `CostCurve` that learns from observed forwards (see the module doc). `__call__` and
-    `at` give what the goodput gates and the batch allocation ask a curve for."""
+    """A `CostCurve` that learns from observed forwards (see the module doc). `__call__`,
+    `table` and `at` give what the goodput gates and the batch allocation ask a curve for."""
 
     def __init__(self, curve: CostCurve) -> None:
         self.curve = curve
@@ -47,6 +47,11 @@ class CostCalibration:
 
     def __call__(self, rows: int) -> float:
         return self.at(self.curve.context)(rows)
+
+    def table(self, most: int) -> tuple[float, ...]:
+        """c(0..most) at the curve's own context (`CostCurve.table`): a gate prices with it
+        until its first `at_context` (a round can trim the grammar's forced tokens first)."""
+        return self.at(self.curve.context).table(most)
 
     def at(self, tokens: int) -> CostCurve:
         """The curve after `tokens` cached tokens, rows priced as observed in its band."""

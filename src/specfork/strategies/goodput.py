@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -111,7 +112,7 @@ def best_length(
     """The k in [0, len(rates)] that maximises expected tokens per unit of cost: the target
     forward over k + 1 rows plus `draft_cost` (in target forwards) per drafted token, plus
     `overhead` (the host work of verifying any draft, `engine.overhead`) for k ≥ 1."""
-    c = _costs(cost, len(rates) + 1)  # c(0..k+1)
+    c = cost.table(len(rates) + 1)  # c(0..k+1), memoised per curve
     best, best_value = 0, 1.0 / c[1]
     expected, survive = 1.0, 1.0
     for k, a in enumerate(rates, start=1):
@@ -121,16 +122,6 @@ def best_length(
         if value > best_value:
             best, best_value = k, value
     return best
-
-
-def _costs(cost: CostCurve, most: int) -> tuple[float, ...]:
-    """c(0..most) of a curve (memoised per curve: a gate asks every round, and interpolating
-    each size was most of a 16-token chain's trim, ~20 µs), or of any other pricing (a
-    Generator's `CostCalibration`, which a gate holds until its first `at_context`: a round
-    can trim the grammar's forced tokens before any draft of its own set the context)."""
-    if isinstance(cost, CostCurve):
-        return cost.table(most)
-    return tuple(cost(max(r, 1)) for r in range(most + 1))
 
 
 def _cost_above(cost: CostCurve, rows: int, sunk_rows: int) -> float:
@@ -445,7 +436,7 @@ class TreeGate:
         pay; every kept node's parent is kept."""
         values = self.node_values(scores, parents, origins)
         order = sorted(range(len(scores)), key=lambda i: (-values[i], i))
-        cost = _costs(self.cost, len(scores) + 1)
+        cost = self.cost.table(len(scores) + 1)
         best, best_value, expected = 0, 1.0 / cost[1], 1.0
         for n, node in enumerate(order, start=1):
             expected += values[node]
@@ -541,15 +532,7 @@ class TreeGate:
 
 def _runs(draft: Draft) -> list[tuple[str, int]]:
     """A chain's runs of consecutive nodes from one source: (source, length), in order."""
-    if not draft.origins:
-        return [(draft.source, len(draft))] if len(draft) else []
-    runs: list[tuple[str, int]] = []
-    for origin in draft.origins:
-        if runs and runs[-1][0] == origin:
-            runs[-1] = (origin, runs[-1][1] + 1)
-        else:
-            runs.append((origin, 1))
-    return runs
+    return [(source, len(list(run))) for source, run in itertools.groupby(_origins(draft))]
 
 
 def _origins(draft: Draft) -> list[str]:
