@@ -162,6 +162,7 @@ def test_the_tree_gate_through_its_protocol() -> None:
     kept = gate.trim(draft, costly=False)
     assert kept.tokens.tolist() == [10, 11]  # as `keep` says: 0.5 a level, depth 2 worth 0.25
     assert gate.values(draft, [0, 2, 1, 3]) == pytest.approx([0.5, 0.25, 0.5, 0.25])
+    assert gate.first_rate() == 0.5  # asked before learning: it follows the counts after
     for _ in range(20):
         gate.learn(draft, draft, Verdict([0, 2], [10, 12, 7]), costly=False)
     assert gate.trim(draft, costly=False).tokens.tolist() == [10, 12]

@@ -216,12 +216,6 @@ def depth_list(parents: list[int]) -> list[int]:
     return out
 
 
-def _parent_rows(tree: Tree) -> torch.Tensor:
-    """Row of each row's parent in the verification input [N + 1]; the root is its own parent."""
-    zero = torch.zeros(1, dtype=torch.long, device=tree.parents.device)
-    return torch.cat([zero, tree.parents + 1])  # [N + 1]
-
-
 def tree_mask(tree: Tree) -> torch.Tensor:
     """Attention mask [N + 1, N + 1] bool over the input [root, node_0, ..., node_{N-1}].
 
@@ -229,15 +223,14 @@ def tree_mask(tree: Tree) -> torch.Tensor:
     ancestor of every node). Committed tokens in the cache are visible to every row; that part
     is the model's business.
     """
-    up = _parent_rows(tree)  # [N + 1]
-    rows = torch.arange(up.shape[0], device=up.device)  # [N + 1]
-    mask = torch.zeros(up.shape[0], up.shape[0], dtype=torch.bool, device=up.device)
-    cur = rows.clone()  # [N + 1] each row's ancestor at the current number of steps up
-    mask[rows, cur] = True
-    while bool((cur != 0).any()):  # one iteration per level of the tree
-        cur = up[cur]
-        mask[rows, cur] = True
-    return mask  # [N + 1, N + 1]
+    n = len(tree) + 1
+    rows = [[True] + [False] * (n - 1)]  # the root sees itself
+    for i, parent in enumerate(tree.parents.tolist(), start=1):  # parents come first
+        row = rows[parent + 1].copy()  # what its parent sees, and itself
+        row[i] = True
+        rows.append(row)
+    # a round's few nodes: lists, then one tensor (torch ops per level cost ~3x as much)
+    return torch.tensor(rows, dtype=torch.bool, device=tree.parents.device)  # [N + 1, N + 1]
 
 
 def tree_positions(tree: Tree, start: int) -> torch.Tensor:

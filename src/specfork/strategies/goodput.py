@@ -392,6 +392,7 @@ class TreeGate:
         self._pool: dict[tuple[str, int], tuple[float, float]] = {}  # (source, depth) -> counts
         self.memory, self.kind = memory, kind
         self.paid = True  # whether the last tree this gate trimmed kept a node
+        self._first: float | None = None  # first_rate's scan, until the counts change
         for key, (h, t) in (memory.seed() if memory is not None else {}).items():
             if key[0] == kind:
                 self._add(key[1:], h, t)
@@ -412,6 +413,7 @@ class TreeGate:
         return (h + PRIOR * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
 
     def _add(self, key: tuple[str, int, int], hits: float, trials: float) -> None:
+        self._first = None
         self.hits[key] = self.hits.get(key, 0.0) + hits
         self.trials[key] = self.trials.get(key, 0.0) + trials
         h, t = self._pool.get(key[:2], (0.0, 0.0))
@@ -522,8 +524,10 @@ class TreeGate:
         still drafts one round in EXPLORE_EVERY, which asks again)."""
         if not self.paid:
             return 0.0
-        seen = [self._p(key, 1.0) for key, t in self.trials.items() if key[1] == 1 and t > 0]
-        return max(seen, default=PRIOR)
+        if self._first is None:  # asked several times a round; the counts change in learn
+            seen = [self._p(key, 1.0) for key, t in self.trials.items() if key[1] == 1 and t > 0]
+            self._first = max(seen, default=PRIOR)
+        return self._first
 
     def at_context(self, tokens: int, overhead: float = 0.0) -> None:
         self.cost = self.curve.at(tokens)
