@@ -651,6 +651,218 @@ ChunkInPlace chunk_avx2_for(CacheType type) {
   return nullptr;
 }
 
+// Lane k < 4 of the result: hsum8's sum of p[k]'s 8 lanes, by the same additions in the same
+// order (halves, then lanes k and k+2, then lanes 0 and 1), for four vectors.
+SF_AVX2 inline __m128 hsum4(const __m256* p) {
+  const __m256 u0 = _mm256_add_ps(_mm256_permute2f128_ps(p[0], p[1], 0x20), _mm256_permute2f128_ps(p[0], p[1], 0x31));
+  const __m256 u1 = _mm256_add_ps(_mm256_permute2f128_ps(p[2], p[3], 0x20), _mm256_permute2f128_ps(p[2], p[3], 0x31));
+  const __m256d a = _mm256_castps_pd(u0), b = _mm256_castps_pd(u1);
+  const __m256 w = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(w, w, 0x88), _mm256_shuffle_ps(w, w, 0xdd));
+  return _mm256_castps256_ps128(_mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// Scores of NQ queries against the KEYS (<= 4 G) keys from key j0 of K (type T, [*, D]
+// layout), the very steps of `scores8` for each (query, key) — lane-wise products over the
+// dimensions' vectors in order, then hsum8's tree — with every key vector loaded once for the NQ
+// queries (NQ G4 independent sums in flight), times the scale, stored to each query's row of e.
+template <int VECS, int NQ, int G, int KEYS, CacheType T>
+SF_AVX2 inline void scores_shared(const Query* qs, const void* K, int64_t j0, __m256 sc, float* e) {
+  constexpr int64_t D = 8 * VECS;
+  __m256 p[NQ][4 * G];
+  for (int c = 0; c < VECS; ++c) {
+    __m256 x[NQ];
+    for (int i = 0; i < NQ; ++i) x[i] = _mm256_loadu_ps(qs[i].q + 8 * c);
+    for (int k = 0; k < 4 * G; ++k) {
+      const __m256 kv = k < KEYS ? load8<T>(K, (j0 + k) * D + 8 * c) : _mm256_setzero_ps();
+      for (int i = 0; i < NQ; ++i) p[i][k] = c == 0 ? _mm256_mul_ps(x[i], kv) : _mm256_fmadd_ps(x[i], kv, p[i][k]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int g = 0; g < G; ++g) {
+      const __m128 four = _mm_mul_ps(hsum4(p[i] + 4 * g), _mm256_castps256_ps128(sc));  // lane k: key j0 + 4g + k
+      float* out = e + i * kChunk + j0 + 4 * g;
+      if constexpr (KEYS == 4 * G) {
+        _mm_storeu_ps(out, four);
+      } else {
+        alignas(16) float lanes[4];
+        _mm_store_ps(lanes, four);
+        for (int k = 0; k < 4 && 4 * g + k < KEYS; ++k) out[k] = lanes[k];
+      }
+    }
+}
+
+// acc [NQ][D] += weights e_i[j] times values V[j - j0] (type T, [*, D] from key j0) for keys
+// j0 <= j < end, each dimension summed in key order from zero as `weigh_values_avx2` sums it: G
+// vectors of dimensions at a time, each value vector loaded once for the NQ queries.
+template <int VECS, int NQ, CacheType T>
+SF_AVX2 inline void weigh_shared(const float* const* e, const void* V, int64_t j0, int64_t end,
+                                 float* const* acc) {
+  constexpr int64_t D = 8 * VECS;
+  constexpr int G = dims_group(VECS, NQ == 1 ? 8 : 4);
+  for (int c0 = 0; c0 < VECS; c0 += G) {
+    __m256 a[NQ][G];
+    for (int i = 0; i < NQ; ++i)
+      for (int c = 0; c < G; ++c) a[i][c] = _mm256_loadu_ps(acc[i] + 8 * (c0 + c));
+    for (int64_t j = j0; j < end; ++j) {
+      __m256 w[NQ];
+      for (int i = 0; i < NQ; ++i) w[i] = _mm256_set1_ps(e[i][j]);
+      for (int c = 0; c < G; ++c) {
+        const __m256 x = load8<T>(V, (j - j0) * D + 8 * (c0 + c));
+        for (int i = 0; i < NQ; ++i) a[i][c] = _mm256_fmadd_ps(w[i], x, a[i][c]);
+      }
+    }
+    for (int i = 0; i < NQ; ++i)
+      for (int c = 0; c < G; ++c) _mm256_storeu_ps(acc[i] + 8 * (c0 + c), a[i][c]);
+  }
+}
+
+// Every query's weighted values over the keys [j, j + keys) of V (type T, [*, D] from key j):
+// pairs of queries over the keys both see, then each over the rest, then the last query.
+template <int VECS, CacheType T>
+SF_AVX2 void weigh_block(const Query* qs, int64_t count, const float* e, const void* V, int64_t j,
+                         int64_t keys, float* acc) {
+  constexpr int64_t D = 8 * VECS;
+  constexpr size_t bytes = T == CacheType::F32 ? sizeof(float) : sizeof(uint16_t);
+  const auto from = [&](int64_t key) { return static_cast<const char*>(V) + (key - j) * D * bytes; };
+  int64_t i = 0;
+  for (; i + 2 <= count; i += 2) {
+    const int64_t end0 = std::min(j + keys, qs[i].n), end1 = std::min(j + keys, qs[i + 1].n);
+    const int64_t both = std::max(j, std::min(end0, end1));
+    const float* ep[2] = {e + i * kChunk, e + (i + 1) * kChunk};
+    float* ap[2] = {acc + i * D, acc + (i + 1) * D};
+    if (both > j) weigh_shared<VECS, 2, T>(ep, V, j, both, ap);
+    if (end0 > both) weigh_shared<VECS, 1, T>(ep, from(both), both, end0, ap);
+    if (end1 > both) weigh_shared<VECS, 1, T>(ep + 1, from(both), both, end1, ap + 1);
+  }
+  if (i < count && j < qs[i].n) {
+    const float* ep[1] = {e + i * kChunk};
+    float* ap[1] = {acc + i * D};
+    weigh_shared<VECS, 1, T>(ep, V, j, std::min(j + keys, qs[i].n), ap);
+  }
+}
+
+// Every query's scores against the chunk's first `most` keys: NQ queries, 4 G keys at a time.
+template <int VECS, int NQ, int G, CacheType T>
+SF_AVX2 void scores_keys(const Query* qs, const void* K, int64_t most, __m256 sc, float* e) {
+  int64_t j = 0;
+  for (; j + 4 * G <= most; j += 4 * G) scores_shared<VECS, NQ, G, 4 * G, T>(qs, K, j, sc, e);
+  for (; j + 4 <= most; j += 4) scores_shared<VECS, NQ, 1, 4, T>(qs, K, j, sc, e);
+  switch (most - j) {
+    case 1: return scores_shared<VECS, NQ, 1, 1, T>(qs, K, j, sc, e);
+    case 2: return scores_shared<VECS, NQ, 1, 2, T>(qs, K, j, sc, e);
+    case 3: return scores_shared<VECS, NQ, 1, 3, T>(qs, K, j, sc, e);
+    default: return;
+  }
+}
+
+// Every query's scores against the chunk's first `most` keys, two queries at a time, then one.
+template <int VECS, CacheType T>
+SF_AVX2 void scores_all8(const Query* qs, int64_t count, const void* K, int64_t most, float scale,
+                         float* e) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 2 <= count; i += 2) scores_keys<VECS, 2, 1, T>(qs + i, K, most, sc, e + i * kChunk);
+  if (i < count) scores_keys<VECS, 1, 2, T>(qs + i, K, most, sc, e + i * kChunk);
+}
+
+// The AVX2 counterpart of `queries_avx512`: every query of a chunk (rows and heads sharing its
+// keys and values) at once, each with the very steps of `chunk_avx2_typed` — so a query gets the
+// bits it gets alone, however many queries share the call and wherever its keys were read — but
+// with every key and value vector loaded once for two queries. K and V are the chunk's `most`
+// keys and values [most, D] of type T (float scratch, or the cache itself for a contiguous run,
+// read in place; nothing past key `most` is read). With more than kConvertQueries queries the
+// keys are first converted to float once for all of them (`block` + 32 D: [kChunk, D] scratch);
+// values are converted a block of 32 keys at a time (`block`: [32, D]) and run keys-outer.
+// e: [count, kChunk] scratch; acc: [count, D] scratch.
+template <int VECS, CacheType T>
+SF_AVX2 void queries_avx2(const Query* qs, int64_t count, const void* K, const void* V,
+                          const float*, float scale, float* e, float* acc, float* block) {
+  constexpr int64_t D = 8 * VECS;
+  constexpr int64_t kConvertQueries = 6;
+  int64_t most = 0;
+  for (int64_t i = 0; i < count; ++i) most = std::max(most, qs[i].n);
+  if constexpr (T != CacheType::F32) {
+    if (count > kConvertQueries) {
+      float* keys = block + 32 * D;
+      for (int64_t j = 0; j < most; ++j)
+        for (int c = 0; c < VECS; ++c) _mm256_storeu_ps(keys + j * D + 8 * c, load8<T>(K, j * D + 8 * c));
+      scores_all8<VECS, CacheType::F32>(qs, count, keys, most, scale, e);
+    } else {
+      scores_all8<VECS, T>(qs, count, K, most, scale, e);
+    }
+  } else {
+    scores_all8<VECS, T>(qs, count, K, most, scale, e);
+  }
+  for (int64_t i = 0; i < count; ++i) {  // as chunk_avx2_typed: max, exponentials, their sum
+    const int64_t n = qs[i].n;
+    float* ei = e + i * kChunk;
+    __m256 tops = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(ei + t));
+    float top = hmax256(tops);  // a max is exact in any order
+    for (; t < n; ++t) top = std::max(top, ei[t]);
+    const __m256 m = _mm256_set1_ps(top);
+    __m256 sums = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 x = exp256(_mm256_sub_ps(_mm256_loadu_ps(ei + j), m));
+      _mm256_storeu_ps(ei + j, x);
+      sums = _mm256_add_ps(sums, x);
+    }
+    float tail = 0.f;
+    for (; j < n; ++j) {
+      ei[j] = std::exp(ei[j] - top);
+      tail += ei[j];
+    }
+    *qs[i].m = top;
+    *qs[i].l = hsum256(sums) + tail;
+  }
+  std::fill(acc, acc + count * D, 0.f);
+  constexpr size_t bytes = T == CacheType::F32 ? sizeof(float) : sizeof(uint16_t);
+  for (int64_t j = 0; j < most; j += 32) {
+    const int64_t keys = std::min<int64_t>(32, most - j);
+    const void* values = static_cast<const char*>(V) + j * D * bytes;
+    if (T == CacheType::F32 || count <= kConvertQueries) {  // read as stored
+      weigh_block<VECS, T>(qs, count, e, values, j, keys, acc);
+      continue;
+    }
+    for (int64_t r = 0; r < keys; ++r)  // converted once for the many queries
+      for (int c = 0; c < VECS; ++c) _mm256_storeu_ps(block + r * D + 8 * c, load8<T>(V, (j + r) * D + 8 * c));
+    weigh_block<VECS, CacheType::F32>(qs, count, e, block, j, keys, acc);
+  }
+  for (int64_t i = 0; i < count; ++i) std::memcpy(qs[i].o, acc + i * D, D * sizeof(float));
+}
+
+template <CacheType T>
+QueriesFn queries_avx2_typed(int64_t D) {
+  switch (D / 8) {
+    case 2: return queries_avx2<2, T>;
+    case 4: return queries_avx2<4, T>;
+    case 6: return queries_avx2<6, T>;
+    case 8: return queries_avx2<8, T>;
+    case 10: return queries_avx2<10, T>;
+    case 12: return queries_avx2<12, T>;
+    case 16: return queries_avx2<16, T>;
+    case 20: return queries_avx2<20, T>;
+    case 24: return queries_avx2<24, T>;
+    case 32: return queries_avx2<32, T>;
+    default: return nullptr;
+  }
+}
+
+// The AVX2 all-queries kernel for head size D (a multiple of 8 listed above) reading keys and
+// values of type T, or null (the one-query kernel then runs).
+QueriesFn queries_avx2_for(int64_t D, CacheType type) {
+  if (D % 8 != 0) return nullptr;
+  switch (type) {
+    case CacheType::F32: return queries_avx2_typed<CacheType::F32>(D);
+    case CacheType::F16: return queries_avx2_typed<CacheType::F16>(D);
+    case CacheType::BF16: return queries_avx2_typed<CacheType::BF16>(D);
+  }
+  return nullptr;
+}
+
 #endif  // SF_X86
 
 // Merge the chunk partials of one (row, head) in chunk order: out = o / l.
@@ -732,11 +944,16 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
   auto fetch = gather;
   auto chunk = chunk_generic;
   QueriesFn many = nullptr;  // all queries of a chunk at once (AVX-512), else one by one
+  bool many_avx2 = false;  // AVX2's all-queries kernel: contiguous runs read in place
   bool avx2 = false;  // one query at a time on AVX2 (in place for few queries)
 #if SF_X86
   if (isa_level() == kAvx512 && D % 16 == 0 && queries_avx512_for(D, CacheType::F32) != nullptr) {
     fetch = gather_avx512;
     many = queries_avx512_for(D, CacheType::F32);
+  } else if (isa_level() >= kAvx2 && queries_avx2_for(D, CacheType::F32) != nullptr) {
+    fetch = gather_avx2;
+    many = queries_avx2_for(D, CacheType::F32);
+    many_avx2 = true;
   } else if (isa_level() >= kAvx2 && D % 8 == 0) {
     fetch = gather_avx2;
     chunk = chunk_avx2;
@@ -790,7 +1007,7 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
       [&] {
         const auto floats = [](int64_t n) { return std::unique_ptr<float[]>(new float[n]); };
         return Scratch{floats(kChunk * D), floats(kChunk * D), floats(most * kChunk + 16),
-                       floats(most * 2 * D), floats(32 * D + 8192), {}};
+                       floats(most * 2 * D), floats(32 * D + std::max<int64_t>(8192, kChunk * D)), {}};
       },
       [&](int64_t i, Scratch& w) {
         const Item& it = items[i];
@@ -810,6 +1027,14 @@ void attention_parts(const float* q, int64_t ldq, const std::vector<AttnPart>& p
         const int64_t head_base = it.g * kv.slots * D;
         const bool run = slots[it.n - 1] - slots[0] == it.n - 1;  // contiguous slots
         const bool in_place = run && (many != nullptr || count <= kInPlaceQueries);
+        if (many_avx2 && run) {  // AVX2, a contiguous run: every query reads the cache in place
+          const size_t bytes = kv.type == CacheType::F32 ? sizeof(float) : sizeof(uint16_t);
+          const int64_t at = (head_base + static_cast<int64_t>(slots[0]) * D) * bytes;
+          queries_avx2_for(D, kv.type)(w.queries.data(), count, static_cast<const char*>(kv.k) + at,
+                                       static_cast<const char*>(kv.v) + at, nullptr, s.scale,
+                                       w.e.get(), w.acc.get(), w.block.get());
+          return;
+        }
         if (many && in_place) {
           // a contiguous run: read the cache in place (converting a block of keys once for all
           // queries costs less than writing and re-reading a float copy of the chunk)
