@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import logging
 import statistics
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -119,27 +121,40 @@ def turns(args: argparse.Namespace, generator: Generator, results: dict) -> list
     return out
 
 
-def replay_gated(spec: str, cases: list[tuple], curve: CostCurve, k: int) -> dict:
+def replay_gated(
+    spec: str, cases: list[tuple], curve: CostCurve, k: int, policy: str = "gate"
+) -> dict:
     """Per (category, later turn): [plain steps' cost, the rounds' cost, tokens, forwards] of
     `spec`'s chains trimmed by a goodput gate priced by `curve` (one-row forwards at the
-    curve's own context), every request's gate starting from the earlier ones' rates."""
+    curve's own context), every request's gate starting from the earlier ones' rates.
+    `policy` "oracle" verifies exactly the tokens that will be accepted (a bound no gate
+    reaches), "streak" gives the gate two sources per drafter: after a round whose proposal
+    matched as far as it was seen, and after any other."""
     source, memory = drafter(spec), RateMemory()
     out: dict[tuple[str, bool], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     for cat, turn, prompt, output in cases:
         request, gate = source.begin(prompt), GoodputGate(curve, memory)
-        rng, greedy, t = torch.Generator(), SamplingParams(), 1
+        rng, greedy, t, hot = torch.Generator(), SamplingParams(), 1, False
         while t < len(output):
             context = len(prompt) + t
             gate.at_context(context)
             proposed = request.propose(prompt + output[:t], DraftShape(k), greedy, rng)
+            if policy == "streak" and len(proposed):
+                proposed = replace(proposed, source=f"{proposed.source}|{hot}")
             kept = gate.trim(proposed, False) if len(proposed) else proposed
             draft = kept.tokens.tolist() if len(kept) else []
+            if policy == "oracle":
+                draft = proposed.tokens.tolist() if len(proposed) else []
             accepted = 0
             while accepted < len(draft) and t + accepted < len(output):
                 if draft[accepted] != output[t + accepted]:
                     break
                 accepted += 1
+            if policy == "oracle":
+                draft = draft[:accepted]
             emitted = output[t : t + accepted + 1]
+            seen = min(len(proposed), len(output) - t)
+            hot = seen > 0 and proposed.tokens[:seen].tolist() == output[t : t + seen]
             if len(proposed):
                 gate.learn(proposed, kept, Verdict(list(range(accepted)), emitted), False)
             row = out[(cat, turn > 1)]
@@ -157,17 +172,16 @@ def gated_table(args: argparse.Namespace, cases: list[tuple]) -> None:
     log.info(
         "\nthrough a goodput gate, speed modelled from each curve (x plain / tokens per forward)"
     )
-    for spec in args.drafters:
-        for path in args.curves:
-            curve = read_curve(path, max_age_days=None)
-            if curve is None:
-                raise SystemExit(f"{path} holds no cost curve of this version: --measure-curve")
-            out = replay_gated(spec, cases, curve, args.k)
-            total = [sum(v[i] for v in out.values()) for i in range(4)]
-            cells = [f"all {total[0] / total[1]:.2f}x/{total[2] / total[3]:.2f}"]
-            for (cat, later), v in sorted(out.items()):
-                cells.append(f"{cat}{'+' if later else ''} {v[0] / v[1]:.2f}x/{v[2] / v[3]:.2f}")
-            log.info("%s, %s: %s", spec, path.name, " ".join(cells))
+    for spec, path, policy in itertools.product(args.drafters, args.curves, args.policies):
+        curve = read_curve(path, max_age_days=None)
+        if curve is None:
+            raise SystemExit(f"{path} holds no cost curve of this version: --measure-curve")
+        out = replay_gated(spec, cases, curve, args.k, policy)
+        total = [sum(v[i] for v in out.values()) for i in range(4)]
+        cells = [f"all {total[0] / total[1]:.2f}x/{total[2] / total[3]:.2f}"]
+        for (cat, later), v in sorted(out.items()):
+            cells.append(f"{cat}{'+' if later else ''} {v[0] / v[1]:.2f}x/{v[2] / v[3]:.2f}")
+        log.info("%s, %s, %s: %s", spec, path.name, policy, " ".join(cells))
 
 
 def main() -> None:
@@ -179,6 +193,7 @@ def main() -> None:
     ap.add_argument("--drafters", nargs="+", default=["ngram", "suffix"])
     ap.add_argument("-k", type=int, default=16, help="the chain's most tokens")
     ap.add_argument("--curves", type=Path, nargs="+", default=[], help="cost curve files")
+    ap.add_argument("--policies", nargs="+", default=["gate"], choices=["gate", "oracle", "streak"])
     ap.add_argument("--measure-curve", type=Path, help="measure this version's curve, write it")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
