@@ -782,15 +782,11 @@ SF_AVX2 void queries_avx2(const Query* qs, int64_t count, const void* K, const v
   constexpr int64_t kConvertQueries = 6;
   int64_t most = 0;
   for (int64_t i = 0; i < count; ++i) most = std::max(most, qs[i].n);
-  if constexpr (T != CacheType::F32) {
-    if (count > kConvertQueries) {
-      float* keys = block + 32 * D;
-      for (int64_t j = 0; j < most; ++j)
-        for (int c = 0; c < VECS; ++c) _mm256_storeu_ps(keys + j * D + 8 * c, load8<T>(K, j * D + 8 * c));
-      scores_all8<VECS, CacheType::F32>(qs, count, keys, most, scale, e);
-    } else {
-      scores_all8<VECS, T>(qs, count, K, most, scale, e);
-    }
+  if (T != CacheType::F32 && count > kConvertQueries) {
+    float* keys = block + 32 * D;
+    for (int64_t j = 0; j < most; ++j)
+      for (int c = 0; c < VECS; ++c) _mm256_storeu_ps(keys + j * D + 8 * c, load8<T>(K, j * D + 8 * c));
+    scores_all8<VECS, CacheType::F32>(qs, count, keys, most, scale, e);
   } else {
     scores_all8<VECS, T>(qs, count, K, most, scale, e);
   }
